@@ -1,0 +1,27 @@
+"""Exceptions raised by h3_core.
+
+Every error a user can cause (a bad file, a bad argument) is one of these, and its message names the file, key or
+value at fault and says how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class H3Error(ValueError):
+    """Base class of every user-facing h3_core error."""
+
+
+class CheckpointError(H3Error):
+    """A checkpoint file or folder cannot be read as an H3 component.
+
+    `path` is the offending file or folder and `key` the tensor name, when one is at fault.
+    """
+
+    def __init__(self, message: str, *, path=None, key: str | None = None):
+        super().__init__(message)
+        self.path = path
+        self.key = key
+
+
+class PickleCheckpointError(CheckpointError):
+    """A pickle-based checkpoint (.ckpt/.pt/.bin/...) was given; only safetensors are ever read."""
