@@ -26,7 +26,7 @@ from .errors import H3Error
 from .vision_tower import ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, prepare_image
 
 
-# ---- configuration ----------------------------------------------------------------------------------------------------
+# ---- configuration ---------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class TextEncoderConfig:
         return dataclasses.replace(self, vision=None)
 
 
-# ---- building blocks --------------------------------------------------------------------------------------------------
+# ---- building blocks -------------------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -281,7 +281,7 @@ def multimodal_positions(num_tokens: int, image_spans: Sequence[tuple[int, int]]
     return positions
 
 
-# ---- the encoder ------------------------------------------------------------------------------------------------------
+# ---- the encoder -----------------------------------------------------------------------------------------------------
 
 
 class TextEncoder(nn.Module):
@@ -344,8 +344,8 @@ class TextEncoder(nn.Module):
     @torch.no_grad()
     def encode(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden_states[layer]` of the presentation of `prompt` with keyframe `images` in front, and the per-token
-        DiT tags (1 text, 0 vision block). Images: PIL images, HWC uint8 arrays, or [H, W, C] / [B, H, W, C]
-        tensors in [0, 1] (ComfyUI IMAGE; each batch item is one keyframe)."""
+        DiT tags (1 text, 0 vision block; a CPU tensor). Images: PIL images, HWC uint8 arrays, or [H, W, C] /
+        [B, H, W, C] tensors in [0, 1] (ComfyUI IMAGE; each batch item is one keyframe)."""
         if self.tokenizer is None:
             raise H3Error("this text encoder has no tokenizer; load it with h3_core.load_text_encoder(..., "
                           "tokenizer=<tokenizer.json>).")

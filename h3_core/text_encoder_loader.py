@@ -71,7 +71,7 @@ class TextEncoderCheckpoint:
         return sorted({f.path for f in self.files.values()})
 
 
-# ---- resolving a source -----------------------------------------------------------------------------------------------
+# ---- resolving a source ----------------------------------------------------------------------------------------------
 
 
 def _expected_parameters(config: TextEncoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -281,7 +281,7 @@ def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
                               f"fewer than layer={layer}.", path=ckpt.source)
     expected = {ckpt.key_for(name): shape for name, shape in _expected_parameters(config, layer).items()}
     layer_names = _layer_parameter_names(config.language)
-    lp, vp = ckpt.language_prefix, ckpt.vision_prefix
+    lp = ckpt.language_prefix
     outer = next(o for o in reversed(OUTER_PREFIXES) if lp.startswith(o))
 
     def never_read(key: str) -> bool:
@@ -331,7 +331,7 @@ def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
     return ckpt
 
 
-# ---- tokenizer and image processor beside the model ---------------------------------------------------------------------
+# ---- tokenizer and image processor beside the model ------------------------------------------------------------------
 
 
 def _candidate_folders(ckpt: TextEncoderCheckpoint) -> list[Path]:
@@ -380,7 +380,7 @@ def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, process
     return ImageProcessorConfig(), None
 
 
-# ---- building the module ----------------------------------------------------------------------------------------------
+# ---- building the module ---------------------------------------------------------------------------------------------
 
 
 def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .errors import H3Error
 
-# ---- configuration ----------------------------------------------------------------------------------------------------
+# ---- configuration ---------------------------------------------------------------------------------------------------
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
@@ -154,7 +154,7 @@ class ImageProcessorConfig:
         )
 
 
-# ---- preprocessing ----------------------------------------------------------------------------------------------------
+# ---- preprocessing ---------------------------------------------------------------------------------------------------
 
 
 def fit_to_patch_grid(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -252,7 +252,7 @@ def prepare_image(image, config: ImageProcessorConfig, index: int = 1) -> Prepar
     return PreparedImage(patches, (1, grid_h, grid_w), m)
 
 
-# ---- the tower --------------------------------------------------------------------------------------------------------
+# ---- the tower -------------------------------------------------------------------------------------------------------
 
 
 def _merge_window_order(grid: torch.Tensor, merge: int) -> torch.Tensor:

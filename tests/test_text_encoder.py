@@ -17,7 +17,7 @@ from h3_core.safetensors_io import SafetensorsFile
 from h3_core.vision_tower import ImageProcessorConfig, fit_to_patch_grid, prepare_image
 from text_encoder_fixtures import (
     IMAGE_PAD_ID, TINY_TEXT_CONFIG, comfy_state, reference_config, reference_image_processor, reference_model,
-    reference_states, relative_l2, write_comfy, write_official, write_partition, write_tiny_tokenizer,
+    reference_states, relative_l2, write_comfy, write_official, write_partition,
 )
 
 LAYER = 4  # of 6: the model holds more layers than the conditioning reads, as the real 50 of 64 do
@@ -68,7 +68,7 @@ def reference_ids(tokenizer_path, prompt):
     return Tokenizer.from_file(str(tokenizer_path)).encode(prompt, add_special_tokens=False).ids
 
 
-# ---- parity ---------------------------------------------------------------------------------------------------------------
+# ---- parity ----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", PROMPTS)
@@ -172,7 +172,76 @@ def test_smart_resize_matches_the_reference():
         fit_to_patch_grid(1, 300, 32, config.min_pixels, config.max_pixels)
 
 
-# ---- layouts --------------------------------------------------------------------------------------------------------------
+# Qwen3-VL-32B-Instruct's config.json as released (transformers 4.57 dialect: rope_theta + rope_scaling).
+RELEASED_CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": False,
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 25600, "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text", "num_attention_heads": 64, "num_hidden_layers": 64, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                                 "rope_type": "default"},
+        "rope_theta": 5000000, "vocab_size": 151936,
+    },
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl", "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 5120, "patch_size": 16, "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+}
+
+
+def test_defaults_are_the_released_model():
+    from transformers import Qwen3VLConfig
+
+    from h3_core.text_encoder import TextEncoder, TextEncoderConfig
+
+    ours = TextEncoderConfig.from_hf_dict(RELEASED_CONFIG)
+    assert ours == TextEncoderConfig()  # what a ComfyUI single file (no config) assumes
+    theirs = Qwen3VLConfig(**RELEASED_CONFIG)  # transformers reads the same file the same way
+    text = theirs.text_config
+    assert (ours.language.rope_theta, list(ours.language.mrope_section)) == (
+        text.rope_parameters["rope_theta"], text.rope_parameters["mrope_section"])
+    assert (ours.language.num_key_value_heads, ours.language.head_dim, ours.language.rms_norm_eps) == (
+        text.num_key_value_heads, text.head_dim, text.rms_norm_eps)
+    assert ours.vision.rope_theta == theirs.vision_config.rope_parameters["rope_theta"]
+    with torch.device("meta"):
+        model = TextEncoder(ours, 50)
+    assert len(model.language_model.layers) == 50
+    # 50 of 64 layers + embeddings: about 25.2B parameters, 50.4 GB in bf16 (the ComfyUI repack's size).
+    language = sum(p.numel() for p in model.language_model.parameters())
+    assert language == 151936 * 5120 + 50 * (2 * 5120 + 2 * 128 + 5120 * (8192 + 2 * 1024) + 8192 * 5120
+                                             + 3 * 5120 * 25600)
+
+
+def test_released_sizes_are_read_from_comfy_shapes():
+    """The ComfyUI repack has no config: the released 32B sizes must come back from its tensor shapes alone."""
+    from dataclasses import replace
+
+    from h3_core.text_encoder import TextEncoder, TextEncoderConfig
+    from h3_core.text_encoder_loader import _config_from_shapes
+
+    with torch.device("meta"):
+        model = TextEncoder(TextEncoderConfig(), 50)
+    shapes = {}
+    for name, param in model.named_parameters():
+        key = name.replace("language_model.", "model.", 1).replace("vision_tower.", "visual.", 1)
+        shapes[key] = tuple(param.shape)
+
+    class Header(dict):  # only shapes are consulted
+        def shape(self, key):
+            return self[key]
+
+    header = Header(shapes)
+    derived = _config_from_shapes(Path("repack.safetensors"), {k: header for k in shapes}, "model.", "visual.", 50)
+    expected = TextEncoderConfig()
+    assert derived == replace(expected, language=replace(expected.language, num_hidden_layers=50))
+
+
+# ---- layouts ---------------------------------------------------------------------------------------------------------
 
 
 def test_layouts_agree(setup):
@@ -188,6 +257,16 @@ def test_layouts_agree(setup):
         assert encoder.checkpoint_layout == layout
         states, _ = encoder.encode("a quiet harbour", images=[image])
         assert torch.equal(states, expected), layout
+
+
+def test_combined_comfy_checkpoint_prefix(setup, tmp_path):
+    # A ComfyUI combined checkpoint nests the encoder under `text_encoders.qwen3vl_32b.transformer.`.
+    state = {"text_encoders.qwen3vl_32b.transformer." + k: v for k, v in
+             comfy_state(setup["reference"], keep_layers=LAYER + 1).items()}
+    path = tmp_path / "combined.safetensors"
+    save_file(state, str(path))
+    encoder = _load_comfy(setup, path)
+    assert torch.equal(encoder.encode(PROMPTS["plain"])[0], setup["encoder"].encode(PROMPTS["plain"])[0])
 
 
 def test_comfy_single_file_reads_the_sizes_from_shapes(setup, tmp_path):
@@ -254,8 +333,10 @@ def test_upper_layers_never_become_resident(setup, tmp_path):
         p = f"model.layers.{i}."
         state.update({
             p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight": torch.ones(hidden),
-            p + "self_attn.q_proj.weight": torch.randn(64, hidden) / 8, p + "self_attn.k_proj.weight": torch.randn(32, hidden) / 8,
-            p + "self_attn.v_proj.weight": torch.randn(32, hidden) / 8, p + "self_attn.o_proj.weight": torch.randn(hidden, 64) / 8,
+            p + "self_attn.q_proj.weight": torch.randn(64, hidden) / 8,
+            p + "self_attn.k_proj.weight": torch.randn(32, hidden) / 8,
+            p + "self_attn.v_proj.weight": torch.randn(32, hidden) / 8,
+            p + "self_attn.o_proj.weight": torch.randn(hidden, 64) / 8,
             p + "self_attn.q_norm.weight": torch.ones(16), p + "self_attn.k_norm.weight": torch.ones(16),
             p + "mlp.gate_proj.weight": torch.full((intermediate, hidden), 0.01),
             p + "mlp.up_proj.weight": torch.full((intermediate, hidden), 0.01),
@@ -279,7 +360,7 @@ def test_upper_layers_never_become_resident(setup, tmp_path):
     assert resident < layer_bytes + 2 * 1024 * 1024 < unused_bytes, (resident, layer_bytes, unused_bytes)
 
 
-# ---- errors ---------------------------------------------------------------------------------------------------------------
+# ---- errors ----------------------------------------------------------------------------------------------------------
 
 
 def _comfy_variant(setup, tmp_path, edit) -> Path:

@@ -62,7 +62,7 @@ PROCESSOR_CONFIG = {
 }
 
 
-# ---- tokenizer ----------------------------------------------------------------------------------------------------------
+# ---- tokenizer -------------------------------------------------------------------------------------------------------
 
 
 def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
@@ -95,7 +95,7 @@ def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
     return path
 
 
-# ---- reference model ------------------------------------------------------------------------------------------------------
+# ---- reference model -------------------------------------------------------------------------------------------------
 
 
 def reference_config(num_layers: int = 6, vision: bool = True):
@@ -150,7 +150,7 @@ def relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).norm() / theirs.norm())
 
 
-# ---- layouts --------------------------------------------------------------------------------------------------------------
+# ---- layouts ---------------------------------------------------------------------------------------------------------
 
 
 def _state(model) -> dict[str, torch.Tensor]:
