@@ -6,6 +6,9 @@ from .dit_loader import load_dit, resolve_dit_checkpoint
 from .errors import CheckpointError, H3Error, PickleCheckpointError
 from .layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
 from .sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
+from .text_encoder import TextEncoder
+from .text_encoder_loader import load_text_encoder
+from .tokenizer import H3Tokenizer
 
 __version__ = "0.1.0"
 
@@ -14,15 +17,18 @@ __all__ = [
     "H3DiT",
     "H3DiTConfig",
     "H3Error",
+    "H3Tokenizer",
     "LatentShape",
     "PackedLayout",
     "PickleCheckpointError",
     "Schedule",
+    "TextEncoder",
     "build_packed_layout",
     "euler_step",
     "frames_for_seconds",
     "initial_noise",
     "load_dit",
+    "load_text_encoder",
     "patchify",
     "resolve_dit_checkpoint",
     "row_timesteps",

@@ -1,0 +1,210 @@
+"""Tiny random Qwen3-VL text encoders in the real H3 file layouts, a tiny H3 tokenizer, and the reference recipe.
+
+The reference model is `transformers.Qwen3VLForConditionalGeneration` with a tiny config and random weights. The
+official layout is written by its own `save_pretrained`; the partition and ComfyUI layouts by the renames the spec
+describes (`h3-components.md` §2.4, §6), implemented here independently of `h3_core`.
+
+The tokenizer is a byte-level BPE trained on a few sentences, with Qwen's pre-tokenisation and Qwen's special tokens
+plus H3's 7 extra tokens at their real ids (151643-151668 and 151669-151675).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+QWEN_FIRST_SPECIAL_ID = 151643
+H3_TOKENS = ("<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
+             "<|caption_end|>")
+H3_FIRST_ID = 151669
+IMAGE_PAD_ID = 151655
+QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+CORPUS = [
+    "A red fox runs across a snowy field at dawn, its breath visible in the cold air.",
+    "Picture 1: a quiet harbour with fishing boats. Picture 2: the same harbour at night.",
+    "The singer whispers the lyrics while a piano plays softly in the background.",
+    "Close-up of waves crashing on black volcanic rocks; seagulls cry overhead.",
+    "Ein Hund läuft über die Wiese. Le chat dort sur le canapé. 日本語のテキストも少し。",
+    "Numbers 0123456789 and punctuation: (brackets), [lists], {braces} & symbols!",
+]
+
+TINY_TEXT_CONFIG = dict(
+    vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, hidden_act="silu",
+    rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
+                     "mrope_interleaved": True},
+)
+TINY_VISION_CONFIG = dict(
+    depth=3, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=16, temporal_patch_size=2,
+    spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
+    hidden_act="gelu_pytorch_tanh",
+)
+PROCESSOR_CONFIG = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+
+
+# ---- tokenizer -------------------------------------------------------------------------------------------------------
+
+
+def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
+    """A Qwen-style byte-level BPE `tokenizer.json` with the special tokens at their real ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(CORPUS * 4, trainer)
+    data = json.loads(tokenizer.to_str())
+    specials = {t: QWEN_FIRST_SPECIAL_ID + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
+    if with_h3_tokens:
+        specials.update({t: H3_FIRST_ID + i for i, t in enumerate(H3_TOKENS)})
+    # The BPE vocabulary stops near 600; listing the specials in it too pins them to their real ids.
+    data["model"]["vocab"].update(specials)
+    data["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True}
+        for t, i in specials.items()
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+# ---- reference model -------------------------------------------------------------------------------------------------
+
+
+def reference_config(num_layers: int = 6, vision: bool = True):
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(text_config={**TINY_TEXT_CONFIG, "num_hidden_layers": num_layers},
+                         vision_config=dict(TINY_VISION_CONFIG) if vision else None)
+
+
+def reference_model(num_layers: int = 6, seed: int = 0):
+    """A `Qwen3VLForConditionalGeneration` with every parameter drawn at random (fp32)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration(reference_config(num_layers)).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim == 1 and "norm" in name and name.endswith("weight"):
+                param.copy_(1.0 + 0.2 * noise)
+            elif param.ndim == 1:
+                param.copy_(0.1 * noise)
+            elif "embed_tokens" in name or "pos_embed" in name:
+                param.copy_(noise)
+            else:
+                param.copy_(noise / param[0].numel() ** 0.5)
+    return model
+
+
+def reference_states(model, token_ids, layer: int, pixel_values=None, image_grid_thw=None) -> torch.Tensor:
+    """`hidden_states[layer]` as the reference pipeline reads it (diffusers `get_qwen3vl_prompt_embeds`)."""
+    input_ids = torch.tensor([list(token_ids)], dtype=torch.long)
+    kwargs = {}
+    if pixel_values is not None:
+        kwargs = {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    with torch.no_grad():
+        out = model.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                          mm_token_type_ids=(input_ids == IMAGE_PAD_ID).long(), use_cache=False,
+                          output_hidden_states=True, **kwargs)
+    return out.hidden_states[layer][0]
+
+
+def reference_image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    config = {k: v for k, v in PROCESSOR_CONFIG.items() if k not in ("processor_class", "image_processor_type")}
+    return Qwen2VLImageProcessorPil(**config)
+
+
+def relative_l2(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours.double(), theirs.double()
+    return float((ours - theirs).norm() / theirs.norm())
+
+
+# ---- layouts ---------------------------------------------------------------------------------------------------------
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def write_official(reference, root: Path) -> Path:
+    """The official repo: `text_encoder/` (save_pretrained, sharded), `tokenizer/`, `processor/`."""
+    reference.save_pretrained(root / "text_encoder", max_shard_size="20MB")
+    write_tiny_tokenizer(root / "tokenizer" / "tokenizer.json")
+    write_tiny_tokenizer(root / "processor" / "tokenizer.json")
+    (root / "processor" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR_CONFIG))
+    (root / "model_index.json").write_text(json.dumps({"_class_name": "MiniMaxH3ModularPipeline"}))
+    return root
+
+
+def write_partition(reference, root: Path) -> Path:
+    """An original-format partition (`FL2VA/`): model_index with the `_minimax_h3` block, text_encoder/ with two
+    hand-written shards and an index."""
+    (root / "transformer").mkdir(parents=True, exist_ok=True)
+    (root / "model_index.json").write_text(json.dumps({"_minimax_h3": {"schema_version": 1, "partition": "fl2va"}}))
+    folder = root / "text_encoder"
+    folder.mkdir()
+    state = _state(reference)
+    keys = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    weight_map = {}
+    for shard, shard_keys in halves.items():
+        save_file({k: state[k] for k in shard_keys}, str(folder / shard))
+        weight_map.update({k: shard for k in shard_keys})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(reference.config.to_dict()))
+    write_tiny_tokenizer(root / "tokenizer" / "tokenizer.json")
+    (root / "processor").mkdir()
+    (root / "processor" / "preprocessor_config.json").write_text(json.dumps(PROCESSOR_CONFIG))
+    return root
+
+
+def comfy_state(reference, keep_layers: int) -> dict[str, torch.Tensor]:
+    """The ComfyUI repack: `model.layers.N` / `model.embed_tokens` / `visual.*`, truncated, no lm_head."""
+    out = {}
+    for key, value in _state(reference).items():
+        if key.startswith("model.language_model."):
+            rest = key[len("model.language_model."):]
+            if rest.startswith("layers.") and int(rest.split(".")[1]) >= keep_layers:
+                continue
+            out["model." + rest] = value
+        elif key.startswith("model.visual."):
+            out["visual." + key[len("model.visual."):]] = value
+    return out
+
+
+def write_comfy(reference, path: Path, keep_layers: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(comfy_state(reference, keep_layers), str(path))
+    return path
