@@ -107,3 +107,45 @@ def initial_noise(video_shape, audio_rows: int, audio_channels: int, seed: int, 
     video = torch.randn(tuple(video_shape), generator=generator, dtype=torch.float32)
     audio = torch.randn((audio_rows, audio_channels), generator=generator, dtype=torch.float32)
     return conditions, video, audio
+
+
+class Interrupted(H3Error):
+    """Raised when the caller's interrupt check asks the sampling loop to stop."""
+
+
+@dataclass
+class DenoiseResult:
+    video_rows: torch.Tensor  # target video rows [Tv*h*w, C*4], float32
+    audio_rows: torch.Tensor  # target audio rows [2*Ta, C_a], float32
+
+
+def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
+            audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, progress=None,
+            check_interrupt=None) -> DenoiseResult:
+    """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
+
+    `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
+    condition rows are never updated. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
+    step; `check_interrupt()` before each step may raise to stop.
+    """
+    device = next(iter(model.parameters())).device
+    kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
+    text = text_states[None].to(device)
+    video = video_rows.to(device, torch.float32).clone()
+    audio = audio_rows.to(device, torch.float32).clone()
+    nc = int(num_condition_video_rows)
+    total = schedule.num_model_calls
+    with torch.no_grad():
+        for i in range(total):
+            if check_interrupt is not None:
+                check_interrupt()
+            t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
+            timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
+            v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
+                                     timestep_indices.to(device), **kwargs)
+            video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
+                                    schedule.video_sigmas[i + 1])
+            audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i], schedule.audio_sigmas[i + 1])
+            if progress is not None:
+                progress(i + 1, total)
+    return DenoiseResult(video[nc:], audio)
