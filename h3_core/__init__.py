@@ -1,15 +1,30 @@
 """h3_core: a pure-PyTorch implementation of MiniMax H3 with bounded memory. Never imports ComfyUI."""
 
+from .admission import AdmissionError, ComponentPlan, Platform, check_admission
 from .config import H3DiTConfig
 from .dit import H3DiT
 from .dit_loader import load_dit, resolve_dit_checkpoint
 from .errors import CheckpointError, H3Error, PickleCheckpointError
 from .layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
+from .residency import (AllResident, BlockHooks, BlockResidency, LayerwiseOffloadManager, PhaseScopedWeights,
+                        Residency, ResidencyError, layerwise_manager)
 from .sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionError",
+    "AllResident",
+    "BlockHooks",
+    "BlockResidency",
+    "ComponentPlan",
+    "LayerwiseOffloadManager",
+    "PhaseScopedWeights",
+    "Platform",
+    "Residency",
+    "ResidencyError",
+    "check_admission",
+    "layerwise_manager",
     "CheckpointError",
     "H3DiT",
     "H3DiTConfig",
