@@ -151,7 +151,10 @@ def storage_span(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> 
     return (sum((size - 1) * step for size, step in zip(shape, stride)) + 1) * itemsize
 
 
-def plan_slab(tensors: Sequence[tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...]]]) -> tuple[list[SlabEntry], int]:
+TensorLayout = tuple[str, torch.dtype, tuple[int, ...], tuple[int, ...]]  # name, dtype, shape, stride
+
+
+def plan_slab(tensors: Sequence[TensorLayout]) -> tuple[list[SlabEntry], int]:
     """Lay out (name, dtype, shape, stride) tensors back to back on SLAB_ALIGNMENT boundaries; returns entries, size."""
     entries = []
     offset = 0

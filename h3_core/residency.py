@@ -527,6 +527,12 @@ class LayerwiseOffloadManager(BlockResidency):
 
     # ---- introspection -------------------------------------------------------------------------------------
 
+    @property
+    def store(self):
+        """The host store (`HeldTensors` or `PinnedSlab`) holding every block between uses."""
+        self._require_attached()
+        return self._store
+
     def materialised_streamed(self) -> list[int]:
         """Streamed blocks whose weights are on the device now (loaded, prefetched or acquired)."""
         return sorted(self._slots.holding(SlotState.LOADING, SlotState.READY, SlotState.IN_USE))

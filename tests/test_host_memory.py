@@ -118,5 +118,6 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     # Control: the resident loader de-interleaves every fused QKV weight (a copy), and the probe sees it.
     resident = measure(checkpoints[8], "resident")
     qkv_bytes = 8 * 3 * BIG.inner_dim * BIG.hidden_size * 4
-    print(f"control, resident 8 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB (QKV copies {qkv_bytes / 1e6:.0f} MB)")
+    print(f"control, resident 8 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
+          f"+{resident['in_use'] / 1e6:.1f} MB in use (QKV copies {qkv_bytes / 1e6:.0f} MB)")
     assert resident["in_use"] > 0.9 * qkv_bytes > runs[8]["in_use"]

@@ -92,7 +92,7 @@ class ResidencyProbe:
         self.model = model
         self.kind = kind
         manager = model.block_residency
-        self.census = MaterialisationCensus(manager._store) if kind == "sync" else None
+        self.census = MaterialisationCensus(manager.store) if kind == "sync" else None
         self.slot_pointers = [b.data_ptr() for b in manager.backend.buffers] if kind == "slots" else None
         self.observations = []
         for i, block in enumerate(model.blocks):
@@ -143,7 +143,7 @@ def test_offloaded_equals_resident_bitwise_with_bounded_residency(checkpoints, i
     streamed = [i for i in range(N) if i not in pinned]
     # The slot backend loads the next pass's head at the end of each pass (counted in the pass that loads it).
     head = streamed[:prefetch] if kind == "slots" else []
-    unit_bytes = manager._store.unit_bytes
+    unit_bytes = manager.store.unit_bytes
     probe = ResidencyProbe(model, kind)
     with torch.no_grad():
         for n in range(3):
@@ -453,7 +453,7 @@ def test_block_hooks_stream_a_torch_transformer_encoder_exactly():
         expected = encoder(x)
     manager = LayerwiseOffloadManager(SynchronousBackend("cpu"), prefetch=1).attach(encoder.layers)
     hooks = BlockHooks(manager, encoder.layers, root=encoder)
-    census = MaterialisationCensus(manager._store)
+    census = MaterialisationCensus(manager.store)
     seen = []
     for i, layer in enumerate(encoder.layers):  # registered after the adapter's hooks, so they run after acquire
         layer.register_forward_pre_hook(
