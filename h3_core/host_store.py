@@ -232,15 +232,27 @@ class CudaHostPinner:
         cudart = torch.cuda.cudart()
         status = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), self.PORTABLE))
         if status != 0:
-            # Clear the runtime's sticky last-error so a later kernel-launch check does not report it.
-            clear = getattr(cudart, "cudaGetLastError", None)
-            if clear is not None:
-                clear()
+            _clear_cuda_last_error()
             return False
         return True
 
     def unregister(self, buffer: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+def _clear_cuda_last_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration; torch checks it after every kernel launch
+    and would otherwise blame the next kernel. torch does not bind cudaGetLastError, so call it in the runtime
+    library this process already loaded (found in /proc/self/maps); best effort elsewhere."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 @dataclass
@@ -336,3 +348,10 @@ class PinnedSlab:
                 self._pinner.unregister(slab.data)
                 self.budget.give_back(slab.nbytes)
                 slab.pinned = False
+
+    def __del__(self):
+        # A store dropped without close(): its memory is about to be freed, so at least leave no registration behind.
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter teardown
+            pass

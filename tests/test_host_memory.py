@@ -85,21 +85,28 @@ def checkpoints(tmp_path_factory):
     return {8: big.parent / "blocks8", 16: big}
 
 
-def measure(folder: Path, residency: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", MEASURE, str(folder), residency], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    result["growth"] = result["after"] - result["before"]
-    result["in_use"] = result["after_in_use"] - result["before"]
-    result["file"] = (folder / "model.safetensors").stat().st_size
-    return result
+def measure(*runs: tuple[Path, str]) -> list[dict]:
+    """Each (folder, residency) measured in its own fresh process; the processes run side by side."""
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE, str(folder), residency], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, residency in runs]
+    results = []
+    for (folder, _), proc in zip(runs, procs):
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        result = json.loads(stdout.strip().splitlines()[-1])
+        result["growth"] = result["after"] - result["before"]
+        result["in_use"] = result["after_in_use"] - result["before"]
+        result["file"] = (folder / "model.safetensors").stat().st_size
+        results.append(result)
+    return results
 
 
 def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     block_bytes = sum(v.numel() * 4 for k, v in random_state(
         H3DiTConfig(**{**BIG.__dict__, "num_layers": 1, "num_refiner_layers": 0})).items() if k.startswith("blocks."))
-    runs = {n: measure(checkpoints[n], "layerwise") for n in (8, 16)}
+    layerwise_8, layerwise_16, resident = measure((checkpoints[8], "layerwise"), (checkpoints[16], "layerwise"),
+                                                  (checkpoints[8], "resident"))
+    runs = {8: layerwise_8, 16: layerwise_16}
     for n, run in runs.items():
         print(f"{n} blocks: file {run['file'] / 1e6:.0f} MB, RssAnon +{(run['loaded'] - run['before']) / 1e6:.1f} MB "
               f"after load_dit, +{run['growth'] / 1e6:.1f} MB after one forward "
@@ -116,7 +123,6 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     # 8 more blocks (210 MB more file) add less than a tenth of one block in anonymous memory in use.
     assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes
     # Control: the resident loader de-interleaves every fused QKV weight (a copy), and the probe sees it.
-    resident = measure(checkpoints[8], "resident")
     qkv_bytes = 8 * 3 * BIG.inner_dim * BIG.hidden_size * 4
     print(f"control, resident 8 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
           f"+{resident['in_use'] / 1e6:.1f} MB in use (QKV copies {qkv_bytes / 1e6:.0f} MB)")
