@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, NUM_MODULATIONS, H3DiTConfig
+from .residency import AllResident, PhaseScopedWeights
 
 
 # ---- rotary embedding -------------------------------------------------------------------------------------------
@@ -218,6 +219,10 @@ class H3DiT(nn.Module):
         self.token_refiner = TokenRefiner(c)
         self.blocks = nn.ModuleList(TransformerBlock(c) for _ in range(c.num_layers))
         self.final_layer = FinalLayer(c)
+        # Where the block weights and the phase-scoped weights (phase "text": condition_proj + token_refiner) live
+        # while the forward runs; load_dit(residency="layerwise") replaces both (see residency.py).
+        self.block_residency = AllResident(c.num_layers)
+        self.weight_phases = PhaseScopedWeights()
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -266,7 +271,8 @@ class H3DiT(nn.Module):
         rope = self.rope(position_ids)
 
         # Input projections; the fp32 islands run on fp32 rows and are rounded to the residual dtype afterwards.
-        text = self.token_refiner(self.condition_proj(encoder_hidden_states.to(self.condition_proj.weight.dtype)))
+        with self.weight_phases.phase("text"):
+            text = self.token_refiner(self.condition_proj(encoder_hidden_states.to(self.condition_proj.weight.dtype)))
         video = self.video_patch_proj(hidden_states.to(self.video_patch_proj.weight.dtype))
         audio = self.audio_patch_proj(audio_hidden_states.to(self.audio_patch_proj.weight.dtype))
         x = text.new_zeros((text.shape[0], rows, text.shape[-1]))
@@ -276,8 +282,15 @@ class H3DiT(nn.Module):
 
         time_act = self.embed_time(timestep)
         adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
-        for block in self.blocks:
-            x = block(x, time_act, adaln_index, rope)
+        residency = self.block_residency
+        residency.begin_pass()
+        try:
+            for i, block in enumerate(self.blocks):
+                residency.acquire(i)  # block i on the device (and the next `prefetch` on their way)
+                x = block(x, time_act, adaln_index, rope)
+                residency.release(i)
+        finally:
+            residency.end_pass()  # also after an exception in a block: the next forward starts clean
 
         y = self.final_layer.modulate(x, time_act, timestep_indices)
         return self.final_layer.heads(y, video_indices, audio_indices)

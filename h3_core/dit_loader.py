@@ -23,9 +23,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .admission import ComponentPlan, Platform, check_admission
 from .config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
 from .dit import H3DiT, RotaryEmbedding3D
 from .errors import CheckpointError, PickleCheckpointError
+from .host_store import HostTensor
+from .offload_backends import SynchronousBackend
+from .residency import LayerwiseOffloadManager, PhaseScopedWeights, Residency, layerwise_manager
 from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
 
 COMFY_PREFIX = "model.diffusion_model."
@@ -408,29 +412,75 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 _OPTIONS: tuple[str, ...] = ()
+# With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
+PHASE_SCOPED = {"text": ("condition_proj.", "token_refiner.")}
 
 
-def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None, **options) -> H3DiT:
+def _offloaded(name: str) -> bool:
+    return name.startswith("blocks.") or any(name.startswith(p) for ps in PHASE_SCOPED.values() for p in ps)
+
+
+def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
+             residency: Residency | str = Residency.RESIDENT,
+             prefetch: int | None = None,
+             resident_blocks: int | list[int] | None = None,
+             **options) -> H3DiT:
     """Load the H3 transformer from a diffusers folder, a native release folder or a ComfyUI single file.
 
     `dtype=None` keeps the checkpoint's dtypes (bf16 with fp32 islands for the released weights); a dtype casts
     everything except the fp32 islands (patch projections, time MLP, output heads). On the CPU with the stored dtype
     the parameters are the memory-mapped file pages themselves (no copy).
+
+    `residency="layerwise"` keeps the blocks in a host store (the memory maps themselves on CPU/MPS: no copy and no
+    QKV de-interleave at load; pinned slabs on CUDA) and materialises at most `prefetch + 1` of them on the device
+    during a forward (`prefetch` default 0, 1 on CUDA); `resident_blocks` (the first N, or indices) stay on the
+    device; the text refiner and condition projection are materialised only for the text phase of each forward.
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
     device = torch.device(device)
+    mode = Residency.parse(residency)
+    check_admission({"transformer": ComponentPlan(mode, str(device))}, Platform.for_device(device))
+    layerwise = mode is Residency.LAYERWISE_OFFLOAD
+    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
     ckpt = resolve_dit_checkpoint(source)
     with torch.device("meta"):
         model = H3DiT(ckpt.config)
+    recipes: dict[str, HostTensor] = {}
     for spec in ckpt.specs:
+        if layerwise and _offloaded(spec.name):
+            # Keep the memory-mapped sources; the combine (QKV de-interleave, ...) runs when the block is materialised.
+            sources = tuple(ckpt.files[k].tensor(k) for k in spec.keys)
+            target = target_dtype(spec.name, sources[0].dtype, dtype)
+            recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
+            _set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
+            continue
         weight = ckpt.weight(spec)
         _set_tensor(model, spec.name, weight.to(device=device, dtype=target_dtype(spec.name, weight.dtype, dtype)))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
+    if layerwise:
+        _attach_layerwise(model, recipes, manager, device)
     model.eval()
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
     return model
+
+
+def _expected_shape(meta_model: nn.Module, name: str) -> tuple[int, ...]:
+    owner_name, _, leaf = name.rpartition(".")
+    return tuple(getattr(meta_model.get_submodule(owner_name), leaf).shape)
+
+
+def _attach_layerwise(model: H3DiT, recipes: dict[str, HostTensor], manager: LayerwiseOffloadManager,
+                      device: torch.device) -> None:
+    def unit(prefixes: tuple[str, ...]) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if name.startswith(prefixes)}
+
+    blocks = [unit((f"blocks.{i}.",)) for i in range(len(model.blocks))]
+    model.block_residency = manager.attach(blocks, [{n: recipes[n] for n in b} for b in blocks])
+    phases = {phase: unit(prefixes) for phase, prefixes in PHASE_SCOPED.items()}
+    model.weight_phases = PhaseScopedWeights(SynchronousBackend(device), phases,
+                                             {phase: {n: recipes[n] for n in ps} for phase, ps in phases.items()})
