@@ -6,6 +6,7 @@ from .dit_loader import load_dit, resolve_dit_checkpoint
 from .errors import CheckpointError, H3Error, PickleCheckpointError
 from .layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
 from .sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
+from .vae_loader import load_audio_vae, load_video_vae
 
 __version__ = "0.1.0"
 
@@ -22,7 +23,9 @@ __all__ = [
     "euler_step",
     "frames_for_seconds",
     "initial_noise",
+    "load_audio_vae",
     "load_dit",
+    "load_video_vae",
     "patchify",
     "resolve_dit_checkpoint",
     "row_timesteps",
