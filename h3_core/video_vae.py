@@ -491,6 +491,8 @@ def stitch_tiles(make_tile: Callable[[int, int], torch.Tensor], row_sizes: Seque
     horizontally with the *un-blended* tile to its left, and cropped by the overlaps it shares with the tiles below and
     to the right. Only the overlap strips of raw neighbours are kept, so one raw tile is alive at a time.
     """
+    if len(row_sizes) == 1 and len(col_sizes) == 1:
+        return make_tile(0, 0)
     canvas = None
     above: list[torch.Tensor | None] = [None] * len(col_sizes)
     out_y = 0
