@@ -12,6 +12,7 @@ from .sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_s
 from .text_encoder import TextEncoder
 from .text_encoder_loader import load_text_encoder
 from .tokenizer import H3Tokenizer
+from .vae_loader import load_audio_vae, load_video_vae
 
 __version__ = "0.1.0"
 
@@ -42,8 +43,10 @@ __all__ = [
     "frames_for_seconds",
     "initial_noise",
     "layerwise_manager",
+    "load_audio_vae",
     "load_dit",
     "load_text_encoder",
+    "load_video_vae",
     "patchify",
     "resolve_dit_checkpoint",
     "row_timesteps",
