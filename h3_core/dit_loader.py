@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .chunking import ChunkingPolicy
 from .config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
 from .dit import H3DiT, RotaryEmbedding3D
 from .errors import CheckpointError, PickleCheckpointError
@@ -407,7 +408,7 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-_OPTIONS: tuple[str, ...] = ()
+_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget")
 
 
 def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None, **options) -> H3DiT:
@@ -420,6 +421,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
+    chunking = ChunkingPolicy(options.get("chunk_size"), options.get("memory_budget"))  # checked before any reading
     device = torch.device(device)
     ckpt = resolve_dit_checkpoint(source)
     with torch.device("meta"):
@@ -431,6 +433,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
     model.eval()
+    model.chunking = chunking
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
     return model
