@@ -1,5 +1,6 @@
 """h3_core: a pure-PyTorch implementation of MiniMax H3 with bounded memory. Never imports ComfyUI."""
 
+from .chunking import ChunkingBackend, ChunkingError, ChunkingPolicy, EveryNChunks, chunk_rows_for_budget
 from .config import H3DiTConfig
 from .dit import H3DiT
 from .dit_loader import load_dit, resolve_dit_checkpoint
@@ -11,6 +12,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "ChunkingBackend",
+    "ChunkingError",
+    "ChunkingPolicy",
+    "EveryNChunks",
     "H3DiT",
     "H3DiTConfig",
     "H3Error",
@@ -19,6 +24,7 @@ __all__ = [
     "PickleCheckpointError",
     "Schedule",
     "build_packed_layout",
+    "chunk_rows_for_budget",
     "euler_step",
     "frames_for_seconds",
     "initial_noise",

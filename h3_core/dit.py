@@ -66,7 +66,7 @@ class Attention(nn.Module):
     """Multi-head self-attention with a fused QKV projection, per-head q/k RMSNorm and optional RoPE.
 
     Runs over row chunks in two passes (one chunk of all rows is the fused path): pass 1 projects keys and values of
-    every row through the K/V row slice of the fused weight, pass 2 projects each chunk's queries through the Q slice
+    every row through the K/V row slice of the fused weight, pass 2 projects each query chunk through the Q slice
     and attends against the full K and V. Every weight row is applied to every input row exactly once, as in one fused
     projection.
     """
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         for start, end in chunks.ranges(rows):
             keys, values = self.write_keys_values(x[:, start:end], rope_slice(rope, start, end), keys, values,
                                                   start, rows)
-        for start, end in chunks.ranges(rows):
+        for start, end in chunks.query_ranges(rows):
             result = self.attend(self.project_queries(x[:, start:end], rope_slice(rope, start, end)), keys, values)
             out = result.new_empty((x.shape[0], rows, result.shape[-1])) if out is None else out
             out[:, start:end] = result
@@ -235,7 +235,7 @@ class TransformerBlock(nn.Module):
             out[:, start:end] = h
             keys, values = self.attn.write_keys_values(h, rope_slice(rope, start, end), keys, values, start, rows)
         # Pass 2: a chunk's modulated rows are read once, for its queries, then replaced by its residual output.
-        for start, end in chunks.ranges(rows):
+        for start, end in chunks.query_ranges(rows):
             queries = self.attn.project_queries(out[:, start:end], rope_slice(rope, start, end))
             attended = self.attn.attend(queries, keys, values)
             out[:, start:end] = x[:, start:end] + gate.index_select(0, adaln_index[start:end]) * attended
@@ -329,7 +329,8 @@ class H3DiT(nn.Module):
                            between_chunks=None) -> None:
         """Row chunking of the blocks and output heads: `chunk_size` rows (None: from `memory_budget`, None: fused).
 
-        `between_chunks` (no arguments) runs after every chunk of a chunked loop: the backend's reclaim policy.
+        `between_chunks` (no arguments) runs after every chunk of a chunked loop: the backend's reclaim policy
+        (None keeps the current one; the default does nothing).
         """
         self.chunking = ChunkingPolicy(chunk_size, memory_budget, between_chunks or self.chunking.between_chunks)
 
@@ -387,6 +388,7 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, text_indices, text)
         x = x.index_copy(1, video_indices, video.to(x.dtype))
         x = x.index_copy(1, audio_indices, audio.to(x.dtype))
+        del text, video, audio  # now copied into x; alive through the blocks they would cost a full-length buffer
 
         time_act = self.embed_time(timestep)
         adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
