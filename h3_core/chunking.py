@@ -125,7 +125,8 @@ def chunk_rows_for_budget(rows: int, config: H3DiTConfig, *, batch: int = 1, ele
     `memory_budget` bounds the bytes of one chunk's temporaries (the full-length residual, K, V and output buffers are
     not part of it); None sets no budget, so only the backend's hard limits can split the sequence. The result is
     rounded down to a multiple of 64 rows and clamped to at least 64 rows (a budget too small for 64 rows is exceeded
-    rather than refused: smaller chunks would only add per-chunk overhead).
+    rather than refused: smaller chunks would only add per-chunk overhead). The attention query pass may still take
+    more rows per call on a backend with `min_query_rows` (CPU: 768); it adds only q and output rows.
     """
     limit = rows
     per_row_bytes = batch * element_bytes
