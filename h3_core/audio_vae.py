@@ -41,9 +41,34 @@ PUBLISHED_LATENTS_STD = (
     1.718045989838149, 1.6307219190837705, 1.8661226051202384, 1.5613768203168363,
 )
 STEREO_CHANNELS = 2
-# Anti-aliased activations resample x2 with 12-tap Kaiser-sinc filters (fixed by the checkpoint's filter buffers).
+# Anti-aliased activations resample x2 with 12-tap Kaiser-sinc filters (the checkpoint also stores them as buffers).
 RESAMPLE_RATIO = 2
 RESAMPLE_TAPS = 12
+
+
+def kaiser_sinc_lowpass(taps: int, cutoff: float, half_width: float) -> torch.Tensor:
+    """A windowed-sinc low-pass `[1, 1, taps]` (unit DC gain), Kaiser window sized by the standard Kaiser formula for
+    a transition band of `2 * half_width` (both in cycles per sample)."""
+    half = taps // 2
+    attenuation = 2.285 * (half - 1) * math.pi * (4 * half_width) + 7.95
+    if attenuation > 50.0:
+        beta = 0.1102 * (attenuation - 8.7)
+    elif attenuation >= 21.0:
+        beta = 0.5842 * (attenuation - 21) ** 0.4 + 0.07886 * (attenuation - 21.0)
+    else:
+        beta = 0.0
+    window = torch.kaiser_window(taps, beta=beta, periodic=False)
+    # Sample times centred on the filter; an even length puts the centre between two taps.
+    time = torch.arange(-half, half) + 0.5 if taps % 2 == 0 else torch.arange(taps) - half
+    if cutoff == 0:
+        return torch.zeros(1, 1, taps)
+    taps_values = 2 * cutoff * window * torch.sinc(2 * cutoff * time)
+    return (taps_values / taps_values.sum()).view(1, 1, taps)
+
+
+def resampling_filter(ratio: int = RESAMPLE_RATIO, taps: int = RESAMPLE_TAPS) -> torch.Tensor:
+    """The anti-aliasing filter of an x`ratio` resampler: cutoff at the new Nyquist, transition 0.6 / ratio."""
+    return kaiser_sinc_lowpass(taps, cutoff=0.5 / ratio, half_width=0.6 / ratio)
 
 
 @dataclass(frozen=True)
@@ -148,7 +173,7 @@ class UpSample(nn.Module):
         self.pad = taps // ratio - 1
         self.trim_left = self.pad * ratio + (taps - ratio) // 2
         self.trim_right = self.pad * ratio + (taps - ratio + 1) // 2
-        self.register_buffer("filter", torch.zeros(1, 1, taps))
+        self.register_buffer("filter", resampling_filter(ratio, taps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[1]
@@ -166,7 +191,7 @@ class LowPass(nn.Module):
         self.stride = ratio
         self.pad_left = taps // 2 - int(taps % 2 == 0)
         self.pad_right = taps // 2
-        self.register_buffer("filter", torch.zeros(1, 1, taps))
+        self.register_buffer("filter", resampling_filter(ratio, taps))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         channels = x.shape[1]

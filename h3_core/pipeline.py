@@ -73,7 +73,10 @@ def _first_existing(folder: Path, names) -> Path | None:
 
 
 def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8", "fp8", "nvfp4")) -> Path:
-    candidates = sorted(p for p in folder.glob(pattern) if not any(x in p.name for x in exclude))
+    """The first file (or folder, for text encoders in the official layout) matching `pattern`, skipping quantised
+    and pruned variants, which h3-stream does not run."""
+    candidates = sorted(p for p in folder.glob(pattern) if not any(x in p.name for x in exclude)
+                        and (p.suffix == ".safetensors" or p.is_dir()))
     if not candidates:
         raise CheckpointError(f"{folder}: no {what} file matching '{pattern}'. Put the ComfyUI repack file there or "
                               "point at an official / partition folder instead.", path=folder)
@@ -117,7 +120,7 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
         te_folder = path / "text_encoders"
         return ModelSources(
             _comfy_file(path / "diffusion_models", f"minimax_h3*{partition}*.safetensors", "H3 transformer"),
-            _comfy_file(te_folder, "qwen3vl*minimax_h3*.safetensors", "H3 text encoder"),
+            _comfy_file(te_folder, "qwen3vl*minimax_h3*", "H3 text encoder"),
             _comfy_file(path / "vae", "minimax_h3_video_vae*.safetensors", "H3 video VAE"),
             _comfy_file(path / "vae", "minimax_h3_audio_vae*.safetensors", "H3 audio VAE"),
             _first_existing(te_folder, ["tokenizer.json", "tokenizer"]), layer, path)
@@ -364,3 +367,23 @@ class H3Pipeline:
         frames, waveform = self.decode(latents)
         timings["decode"] = time.perf_counter() - started
         return GenerationResult(frames, waveform, timings=timings)
+
+
+def plan_components(sources: ModelSources, *, device="cpu", residency: str = "resident", chunk_size: int | None = None,
+                    memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
+                    log: Callable[[str], None] | None = None) -> dict:
+    """Loader options per component from the user's settings; with a memory budget, the preflight decides."""
+    if memory_budget_gb is not None:
+        from .memory_plan import plan_for_budget
+
+        plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
+                               height=height, num_frames=num_frames, chunk_size=chunk_size)
+        if log:
+            log(plan.describe())
+        return plan.component_options
+    options: dict = {"transformer": {}}
+    if residency != "resident":
+        options["transformer"]["residency"] = residency
+    if chunk_size is not None:
+        options["transformer"]["chunk_size"] = chunk_size
+    return options

@@ -16,28 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-QWEN_SPECIAL_TOKENS = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
-    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
-    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
-    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-)
-QWEN_FIRST_SPECIAL_ID = 151643
-H3_TOKENS = ("<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
-             "<|caption_end|>")
-H3_FIRST_ID = 151669
+from h3_core.tiny_default import (H3_FIRST_ID, H3_TOKENS, QWEN_FIRST_SPECIAL_ID, QWEN_SPECIAL_TOKENS,  # noqa: F401
+                                  write_tiny_tokenizer)
+
 IMAGE_PAD_ID = 151655
-QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-CORPUS = [
-    "A red fox runs across a snowy field at dawn, its breath visible in the cold air.",
-    "Picture 1: a quiet harbour with fishing boats. Picture 2: the same harbour at night.",
-    "The singer whispers the lyrics while a piano plays softly in the background.",
-    "Close-up of waves crashing on black volcanic rocks; seagulls cry overhead.",
-    "Ein Hund läuft über die Wiese. Le chat dort sur le canapé. 日本語のテキストも少し。",
-    "Numbers 0123456789 and punctuation: (brackets), [lists], {braces} & symbols!",
-]
 
 TINY_TEXT_CONFIG = dict(
     vocab_size=151936, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
@@ -63,36 +45,6 @@ PROCESSOR_CONFIG = {
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------------------------
-
-
-def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
-    """A Qwen-style byte-level BPE `tokenizer.json` with the special tokens at their real ids."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tokenizer.train_from_iterator(CORPUS * 4, trainer)
-    data = json.loads(tokenizer.to_str())
-    specials = {t: QWEN_FIRST_SPECIAL_ID + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
-    if with_h3_tokens:
-        specials.update({t: H3_FIRST_ID + i for i, t in enumerate(H3_TOKENS)})
-    # The BPE vocabulary stops near 600; listing the specials in it too pins them to their real ids.
-    data["model"]["vocab"].update(specials)
-    data["added_tokens"] = [
-        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-         "special": True}
-        for t, i in specials.items()
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    return path
 
 
 # ---- reference model -------------------------------------------------------------------------------------------------
