@@ -12,13 +12,16 @@ from .sockets import H3Model, H3ModelHandle
 
 log = logging.getLogger("h3_stream")
 
-RESIDENCY_TOOLTIP = ("RESIDENT keeps every weight of the {what} on the device. LAYERWISE_OFFLOAD keeps its blocks in "
-                     "host memory (on Apple MPS: the memory-mapped files themselves) and moves them to the device "
-                     "one at a time. On MPS every component must be LAYERWISE_OFFLOAD.")
+RESIDENCY_TOOLTIP = "RESIDENT keeps the {what} loaded between runs. LAYERWISE_OFFLOAD: {offload} On Apple MPS every " \
+                    "component must be LAYERWISE_OFFLOAD."
+STREAMED = ("its blocks stay in host memory (on MPS: the memory-mapped files themselves) and move to the device one "
+            "at a time.")
+PHASE_SCOPED = "it is loaded for its step only and released right after."
 
 
-def _residency_input(name: str, what: str, default: str) -> io.Combo.Input:
-    return io.Combo.Input(name, options=list(RESIDENCIES), default=default, tooltip=RESIDENCY_TOOLTIP.format(what=what))
+def _residency_input(name: str, what: str, default: str, offload: str) -> io.Combo.Input:
+    return io.Combo.Input(name, options=list(RESIDENCIES), default=default,
+                          tooltip=RESIDENCY_TOOLTIP.format(what=what, offload=offload))
 
 
 def admission_error(settings: MemorySettings) -> str | None:
@@ -50,10 +53,11 @@ class H3StreamLoader(io.ComfyNode):
                 io.Combo.Input("partition", options=list(model_sources.PARTITIONS), default="FL2VA",
                                tooltip="Which transformer weights: FL2VA (text and first/last frame to video+audio) "
                                        "or Ref2VA (reference to video+audio)."),
-                _residency_input("transformer_residency", "transformer (33B DiT)", LAYERWISE_OFFLOAD),
-                _residency_input("text_encoder_residency", "text encoder (Qwen3-VL)", RESIDENT),
-                _residency_input("video_vae_residency", "video VAE", RESIDENT),
-                _residency_input("audio_vae_residency", "audio VAE", RESIDENT),
+                _residency_input("transformer_residency", "transformer (33B DiT)", LAYERWISE_OFFLOAD, STREAMED),
+                _residency_input("text_encoder_residency", "text encoder (Qwen3-VL)", LAYERWISE_OFFLOAD,
+                                 PHASE_SCOPED),
+                _residency_input("video_vae_residency", "video VAE", RESIDENT, PHASE_SCOPED),
+                _residency_input("audio_vae_residency", "audio VAE", RESIDENT, PHASE_SCOPED),
                 io.Int.Input("prefetch", default=-1, min=-1, max=8,
                              tooltip="Transformer blocks copied ahead of the one computing (layerwise offload only). "
                                      "-1: the device's default (1 on CUDA, 0 elsewhere)."),
@@ -72,17 +76,22 @@ class H3StreamLoader(io.ComfyNode):
                                        "always run in float32."),
                 io.Combo.Input("device", options=list(comfy_runtime.DEVICES), default="auto",
                                tooltip="auto: the device ComfyUI computes on (cpu with --cpu)."),
-                io.Combo.Input("h3_folder", options=model_sources.h3_folder_choices(), optional=True,
+                io.Combo.Input("h3_folder", options=model_sources.h3_folder_choices(),
+                               default=model_sources.NONE, optional=True,
                                tooltip="For source 'models/h3 folder': an official (diffusers) or original release "
                                        "download in models/h3/<name>/."),
-                io.Combo.Input("diffusion_model", options=model_sources.diffusion_model_choices(), optional=True,
+                io.Combo.Input("diffusion_model", options=model_sources.diffusion_model_choices(),
+                               default=model_sources.NONE, optional=True,
                                tooltip="For source 'ComfyUI repack files': the transformer, e.g. "
                                        "minimax_h3_fl2va_bf16.safetensors (int8 / fp8 repacks are refused)."),
-                io.Combo.Input("text_encoder", options=model_sources.text_encoder_choices(), optional=True,
+                io.Combo.Input("text_encoder", options=model_sources.text_encoder_choices(),
+                               default=model_sources.NONE, optional=True,
                                tooltip="For source 'ComfyUI repack files': qwen3vl_32b_minimax_h3_bf16.safetensors."),
-                io.Combo.Input("video_vae", options=model_sources.video_vae_choices(), optional=True,
+                io.Combo.Input("video_vae", options=model_sources.video_vae_choices(),
+                               default=model_sources.NONE, optional=True,
                                tooltip="For source 'ComfyUI repack files': minimax_h3_video_vae_*.safetensors."),
-                io.Combo.Input("audio_vae", options=model_sources.audio_vae_choices(), optional=True,
+                io.Combo.Input("audio_vae", options=model_sources.audio_vae_choices(),
+                               default=model_sources.NONE, optional=True,
                                tooltip="For source 'ComfyUI repack files': minimax_h3_audio_vae_*.safetensors."),
                 io.String.Input("repo_id", default=model_sources.DEFAULT_REPO_ID, optional=True,
                                 tooltip="For source 'Hugging Face repo': only the folders of the chosen partition are "

@@ -39,7 +39,8 @@ class MemorySettings:
     mps_reclaim_every: int = 0
 
     @classmethod
-    def build(cls, *, transformer: str, text_encoder: str, video_vae: str, audio_vae: str, **values) -> "MemorySettings":
+    def build(cls, *, transformer: str, text_encoder: str, video_vae: str, audio_vae: str,
+              **values) -> "MemorySettings":
         residency = (("transformer", transformer), ("text_encoder", text_encoder), ("video_vae", video_vae),
                      ("audio_vae", audio_vae))
         return cls(residency=residency, **values)
@@ -63,15 +64,17 @@ class MemorySettings:
         """An offloaded text encoder is released right after encoding, before the transformer loads."""
         return not self.offloaded("text_encoder")
 
+    def released_after_phase(self, component: str) -> bool:
+        """Offloaded components without block streaming in h3_core (text encoder, VAEs) live for their phase only:
+        loaded when a node needs them, released when it is done. The transformer streams its blocks instead."""
+        return component != "transformer" and self.offloaded(component)
+
     def component_options(self) -> dict[str, dict]:
         """Keyword arguments of each component's h3_core loader. Only settings that differ from the loaders' defaults
-        are passed (every loader is resident by default)."""
-        options: dict[str, dict] = {name: {} for name in COMPONENTS}
-        for name in COMPONENTS:
-            if self.offloaded(name):
-                options[name]["residency"] = _CORE_RESIDENCY[LAYERWISE_OFFLOAD]
-        transformer = options["transformer"]
+        are passed (every loader is resident by default; only `load_dit` streams blocks)."""
+        transformer: dict = {}
         if self.offloaded("transformer"):
+            transformer["residency"] = _CORE_RESIDENCY[LAYERWISE_OFFLOAD]
             if self.prefetch >= 0:
                 transformer["prefetch"] = self.prefetch
             if self.resident_blocks > 0:
@@ -80,7 +83,7 @@ class MemorySettings:
             transformer["chunk_size"] = self.chunk_size
         if self.memory_budget_bytes is not None:
             transformer["memory_budget"] = self.memory_budget_bytes
-        return {name: value for name, value in options.items() if value}
+        return {"transformer": transformer} if transformer else {}
 
     def admission_plan(self) -> dict:
         """The plan `h3_core.admission.check_admission` judges: every component's residency, on the one device."""

@@ -20,7 +20,8 @@ HUGGING_FACE = "Hugging Face repo"
 SOURCES = (TINY, H3_FOLDER, COMFY_REPACK, HUGGING_FACE)
 PARTITIONS = {"FL2VA": "fl2va", "Ref2VA": "ref2va"}
 H3_FOLDER_KEY = "h3"
-# A combo needs at least one option; this one stands for "nothing there yet".
+# The first option of every file / folder combo and its default, so that a workflow saved on one machine validates on
+# any other (a combo value must be one of the options); it stands for "not chosen".
 NONE = "(none)"
 DEFAULT_REPO_ID = "MiniMaxAI/MiniMax-H3"
 
@@ -41,14 +42,14 @@ def h3_folder_choices() -> list[str]:
     for root in roots:
         if os.path.isdir(root):
             names.update(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
-    return sorted(names) or [NONE]
+    return [NONE] + sorted(names)
 
 
 def file_choices(key: str, prefix: str) -> list[str]:
     """Files of one standard model folder, the H3 ones (by the repack's naming) first."""
     files = [name for name in folder_paths.get_filename_list(key) if name.endswith((".safetensors", ".sft"))]
     h3 = sorted(name for name in files if os.path.basename(name).startswith(prefix))
-    return h3 + sorted(set(files) - set(h3)) or [NONE]
+    return [NONE] + h3 + sorted(set(files) - set(h3))
 
 
 def diffusion_model_choices() -> list[str]:

@@ -20,8 +20,8 @@ def frame_count_error(seconds, frames) -> str | None:
         if not 5 <= frames <= MAX_FRAMES:
             return f"frames must be 0 (use seconds) or between 5 and {MAX_FRAMES}, got {frames}."
         if not is_aligned_num_frames(frames):
-            return (f"frames must be on the 17n + 5 grid (5, 22, 39, ...), got {frames}; use {align_num_frames(frames)} "
-                    f"or set frames to 0 and give seconds.")
+            return (f"frames must be on the 17n + 5 grid (5, 22, 39, ...), got {frames}; use "
+                    f"{align_num_frames(frames)} or set frames to 0 and give seconds.")
     if seconds is not None and frames == 0 and not 0 < seconds <= MAX_FRAMES / 24:
         return f"seconds must be above 0 and at most {MAX_FRAMES / 24:.1f}, got {seconds}."
     return None
@@ -99,5 +99,7 @@ class H3StreamSampler(io.ComfyNode):
                                           video_shift=video_shift, audio_shift=audio_shift,
                                           progress=lambda step, total: bar.update_absolute(step, total),
                                           check_interrupt=comfy_runtime.check_interrupt)
+        if h3_cond.has_keyframes and settings.released_after_phase("video_vae"):
+            pipeline.release("video_vae")  # it encoded the keyframes; decoding loads it again
         comfy_runtime.soft_empty_cache()
         return io.NodeOutput(latents)

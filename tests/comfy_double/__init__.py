@@ -25,7 +25,7 @@ def install(base_dir) -> None:
         sys.path.insert(0, str(MODULES))
     import comfy.model_management
     import comfy.utils
-    import comfy_api.latest
+    import comfy_api.latest  # noqa: F401  (imported so the check below sees it)
     import folder_paths
     import server
 
