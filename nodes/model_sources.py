@@ -101,7 +101,12 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
                               f"{folder_paths.get_folder_paths(H3_FOLDER_KEY)}; refresh the node.", path=name)
     if source == COMFY_REPACK:
         def full_path(key: str, value: str, what: str, widget: str) -> Path:
-            return Path(folder_paths.get_full_path_or_raise(key, _chosen(value, what, widget)))
+            found = folder_paths.get_full_path(key, _chosen(value, what, widget))
+            if found is None:
+                raise CheckpointError(f"{widget}: {value!r} is not in ComfyUI's '{key}' folders "
+                                      f"{folder_paths.get_folder_paths(key)}; refresh the node and pick a file that "
+                                      "exists.", path=value)
+            return Path(found)
 
         transformer = full_path("diffusion_models", diffusion_model, "transformer", "diffusion_model")
         return ModelSources(

@@ -25,6 +25,10 @@ class H3StreamUnload(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return float("nan")  # never equal to the last run's: runs every time it is queued
+
+    @classmethod
     def execute(cls, h3_model, after=None) -> io.NodeOutput:
         h3_model.pipeline.release_all()
         comfy_runtime.soft_empty_cache()

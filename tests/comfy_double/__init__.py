@@ -16,6 +16,8 @@ from pathlib import Path
 MODULES = Path(__file__).resolve().parent / "modules"
 CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_ROOT = Path(__file__).resolve().parents[2]
+# ComfyUI names a custom-node package after its path (dots replaced).
+PACK_MODULE = str(PACK_ROOT).replace(".", "_x_")
 
 
 def install(base_dir) -> None:
@@ -44,7 +46,7 @@ def load_pack(root: Path = PACK_ROOT):
     `comfy_entrypoint()`, `on_load()` and `get_node_list()`, and return {node_id: class}."""
     from comfy_api.latest import ComfyExtension
 
-    module_name = str(root).replace(".", "_x_")
+    module_name = PACK_MODULE if root == PACK_ROOT else str(root).replace(".", "_x_")
     module = sys.modules.get(module_name)
     if module is None:
         spec = importlib.util.spec_from_file_location(module_name, root / "__init__.py")
@@ -61,3 +63,8 @@ def load_pack(root: Path = PACK_ROOT):
 
     classes = asyncio.run(register())
     return {cls.GET_SCHEMA().node_id: cls for cls in classes}
+
+
+def pack_module(name: str):
+    """A module of the loaded pack, e.g. `pack_module("nodes.memory_settings")` (call `load_pack()` first)."""
+    return importlib.import_module(f"{PACK_MODULE}.{name}")

@@ -3,7 +3,10 @@
 validation (known class types, required inputs, link shape and type, INT / FLOAT / STRING / BOOLEAN conversion,
 min / max and combo checks skipped for inputs a node's `validate_inputs` takes by name, `validate_inputs` called with
 linked inputs as None) and execution (only what output nodes need, each node once, dependencies first, a per-run
-class clone carrying `hidden`, linked values passed by reference, absent optional inputs not passed).
+class clone carrying `hidden`, linked values passed by reference, absent optional inputs not passed) and the output
+cache across prompts (a node whose class, inputs, upstream and `fingerprint_inputs` value are unchanged is not run
+again; a NaN fingerprint never matches, so such a node always runs; `not_idempotent` nodes share no cache entry with
+other nodes).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def _run(value):
 class PromptExecutor:
     def __init__(self, node_classes: dict[str, type]):
         self.node_classes = dict(node_classes)
+        self.cache: dict = {}  # input signature -> outputs, kept across prompts like ComfyUI's output cache
 
     def _schema(self, class_type: str) -> io.Schema:
         return self.node_classes[class_type].GET_SCHEMA()
@@ -130,9 +134,26 @@ class PromptExecutor:
 
     # ---- execution -------------------------------------------------------------------------------------------------
 
+    def _signature(self, prompt: dict, node_id: str, memo: dict):
+        if node_id in memo:
+            return memo[node_id]
+        spec = prompt[node_id]
+        node_class = self.node_classes[spec["class_type"]]
+        schema = self._schema(spec["class_type"])
+        parts = []
+        for name, value in sorted(spec["inputs"].items()):
+            parts.append((name, ("link", self._signature(prompt, value[0], memo), value[1]) if _is_link(value)
+                          else repr(value)))
+        if overrides(node_class, "fingerprint_inputs"):
+            constants = {k: v for k, v in spec["inputs"].items() if not _is_link(v)}
+            parts.append(("fingerprint", _run(node_class.fingerprint_inputs(**constants))))
+        memo[node_id] = (spec["class_type"], tuple(parts), node_id if schema.not_idempotent else None)
+        return memo[node_id]
+
     def run(self, prompt: dict, extra_pnginfo: dict | None = None) -> RunResult:
         self.validate(prompt)
         result = RunResult()
+        self._memo = {}
         targets = [node for node, spec in prompt.items() if self._schema(spec["class_type"]).is_output_node]
         for node_id in targets:
             self._execute(prompt, node_id, result, extra_pnginfo, visiting=set())
@@ -143,10 +164,14 @@ class PromptExecutor:
             return result.outputs[node_id]
         if node_id in visiting:
             raise PromptError([(node_id, "dependency cycle")])
-        visiting.add(node_id)
         spec = prompt[node_id]
         node_class = self.node_classes[spec["class_type"]]
         schema = self._schema(spec["class_type"])
+        signature = self._signature(prompt, node_id, self._memo)
+        if signature in self.cache:
+            result.outputs[node_id] = self.cache[signature]
+            return self.cache[signature]
+        visiting.add(node_id)
         kwargs = {}
         for socket in schema.inputs:
             if socket.id not in spec["inputs"]:
@@ -169,8 +194,18 @@ class PromptExecutor:
         assert len(values) == len(schema.outputs), \
             f"{spec['class_type']} returned {len(values)} values for {len(schema.outputs)} outputs"
         result.outputs[node_id] = values
+        self.cache[signature] = values
         if output.ui is not None:
             result.ui[node_id] = output.ui if isinstance(output.ui, dict) else output.ui.as_dict()
         result.order.append(node_id)
         visiting.discard(node_id)
         return values
+
+
+def run_node(node_class: type, node_id: str = "1", **inputs) -> tuple:
+    """Execute one node as ComfyUI would inside a prompt (class clone carrying `hidden`), returning its outputs."""
+    schema = node_class.GET_SCHEMA()
+    hidden = {item.value: node_id if item is io.Hidden.unique_id else None for item in schema.hidden}
+    clone = type(node_class.__name__, (node_class,), {"hidden": HiddenHolder(hidden)})
+    output = _run(clone.execute(**inputs))
+    return tuple(output.args)
