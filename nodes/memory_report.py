@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from .memory_probe import DeviceMemoryProbe, host_peak_bytes
+from .memory_probe import DevicePeak, host_peak_bytes
 from .sockets import H3Model
 
 GIB = 1 << 30
@@ -21,8 +21,8 @@ class H3StreamMemoryReport(io.ComfyNode):
             node_id="H3StreamMemoryReport",
             display_name="H3 Memory Report",
             category="H3 Stream",
-            description="Reports the model's memory settings, the device's current peak (CUDA: since the last H3 "
-                        "node started; MPS: memory its driver holds now) and the process's peak host memory.",
+            description="Reports the model's memory settings, the device memory in use now (CUDA: allocated; MPS: "
+                        "held by the Metal driver) and the process's peak host memory (RSS).",
             inputs=[H3Model.Input("h3_model"),
                     io.AnyType.Input("after", optional=True, tooltip="Any output that must exist before reporting.")],
             outputs=[io.String.Output(display_name="report")],
@@ -38,7 +38,7 @@ class H3StreamMemoryReport(io.ComfyNode):
     def execute(cls, h3_model, after=None) -> io.NodeOutput:
         device = h3_model.pipeline.device
         lines = [h3_model.description,
-                 f"device {device}: peak {_gib(DeviceMemoryProbe.for_device(device).peak_bytes())}",
+                 f"device {device}: {_gib(DevicePeak(device).bytes())} now",
                  f"host: process peak {_gib(host_peak_bytes())}"]
         text = "\n".join(lines)
         return io.NodeOutput(text, ui=ui.PreviewText(text))

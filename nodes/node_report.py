@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from . import comfy_runtime
-from .memory_probe import DeviceMemoryProbe, block_counts, host_peak_bytes
+from .memory_probe import DevicePeak, block_counts, host_peak_bytes
 
 GIB = 1 << 30
 
@@ -14,12 +14,11 @@ GIB = 1 << 30
 def memory_report(node_id, handle, phase: str):
     """Measure the device peak over the body and send the report when it finishes. `report["transformer"]` may be
     set by the body to add the transformer's block counts."""
-    probe = DeviceMemoryProbe.for_device(handle.pipeline.device)
-    probe.reset()
+    device_peak = DevicePeak(handle.pipeline.device)
     report: dict = {"phase": phase}
     yield report
     transformer = report.pop("transformer", None)
-    report.update(device=str(handle.pipeline.device), peak_device_bytes=probe.peak_bytes(),
+    report.update(device=str(handle.pipeline.device), peak_device_bytes=device_peak.bytes(),
                   peak_host_bytes=host_peak_bytes())
     if transformer is not None:
         report["resident_blocks"], report["total_blocks"] = block_counts(transformer)

@@ -386,6 +386,7 @@ def test_locales_and_help_pages_cover_every_node_and_input(pack):
 def test_registry_metadata_and_comfyignore():
     comfy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]
     assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["Icon"].startswith("https://")
+    assert comfy["Icon"].endswith("/web/icon.png") and (ROOT / "web" / "icon.png").is_file()
     assert set(comfy["includes"]) >= {"web", "example_workflows", "locales"} and comfy["web"] == "web"
     assert comfy["requires-comfyui"].startswith(">=0.")  # core is 0.x: a 1.x floor would disable the pack
     ignored = (ROOT / ".comfyignore").read_text().split()
