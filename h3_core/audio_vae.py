@@ -9,6 +9,7 @@ into `weight` once, exactly as `torch.nn.utils.weight_norm` would compute it.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import H3Error
+from .residency import AllResident, PhaseScopedWeights
 
 # Published per-channel latent statistics of the released audio VAE (`audio_vae/config.json`); used when a ComfyUI
 # file does not carry them.
@@ -66,9 +68,19 @@ def kaiser_sinc_lowpass(taps: int, cutoff: float, half_width: float) -> torch.Te
     return (taps_values / taps_values.sum()).view(1, 1, taps)
 
 
+@functools.lru_cache(maxsize=None)
+def _resampling_filter_on_cpu(ratio: int, taps: int) -> torch.Tensor:
+    with torch.device("cpu"):
+        return kaiser_sinc_lowpass(taps, cutoff=0.5 / ratio, half_width=0.6 / ratio)
+
+
 def resampling_filter(ratio: int = RESAMPLE_RATIO, taps: int = RESAMPLE_TAPS) -> torch.Tensor:
-    """The anti-aliasing filter of an x`ratio` resampler: cutoff at the new Nyquist, transition 0.6 / ratio."""
-    return kaiser_sinc_lowpass(taps, cutoff=0.5 / ratio, half_width=0.6 / ratio)
+    """The anti-aliasing filter of an x`ratio` resampler: cutoff at the new Nyquist, transition 0.6 / ratio.
+
+    Computed once on the CPU and copied to the default device: the decoder holds 250 of them, and computing each on
+    the meta device (as the loaders build the model) took seconds.
+    """
+    return _resampling_filter_on_cpu(ratio, taps).to(torch.get_default_device(), copy=True)
 
 
 @dataclass(frozen=True)
@@ -375,16 +387,32 @@ class AudioDecoder(nn.Module):
                 self.resblocks.append(AMPBlock(width, k, tuple(dilations)))
         self.activation_post = AntiAliasedActivation(c.decoder_out_channels)
         self.conv_post = WeightNormConv1d(c.decoder_out_channels, 1, 7, padding=3, bias=False)
+        # Where each upsampling stage's weights (`ups.i` with its AMP blocks) live during a forward;
+        # load_audio_vae(residency="layerwise") replaces it with a manager that streams the stages.
+        self.block_residency = AllResident(len(c.decoder_rates))
+
+    def stage_prefixes(self, stage: int) -> tuple[str, ...]:
+        """Parameter-name prefixes (relative to the decoder) of upsampling stage `stage`: its upsampler and the
+        AMP blocks that follow it."""
+        blocks = range(stage * self.num_kernels, (stage + 1) * self.num_kernels)
+        return (f"ups.{stage}.", *(f"resblocks.{j}." for j in blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.conv_pre(x)
-        for i, up in enumerate(self.ups):
-            x = up[0](x)
-            total = None
-            for block in self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]:
-                out = block(x)
-                total = out if total is None else total + out
-            x = total / self.num_kernels
+        residency = self.block_residency
+        residency.begin_pass()
+        try:
+            for i, up in enumerate(self.ups):
+                residency.acquire(i)  # stage i on the device (and the next `prefetch` on their way)
+                x = up[0](x)
+                total = None
+                for block in self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]:
+                    out = block(x)
+                    total = out if total is None else total + out
+                x = total / self.num_kernels
+                residency.release(i)
+        finally:
+            residency.end_pass()  # also after an exception in a stage: the next decode starts clean
         return torch.clamp(self.conv_post(self.activation_post(x)), -1.0, 1.0)
 
 
@@ -404,6 +432,9 @@ class AudioVAE(nn.Module):
         self.logs_proj = nn.Conv1d(c.latent_channels, c.latent_channels, 1)  # posterior log-std; unused at inference
         self.dec_in_proj = nn.Conv1d(c.latent_channels, c.latent_dim, 1)
         self.decoder = AudioDecoder(c)
+        # Phase-scoped weights when loaded layerwise: "encoder" (encoder, pre_block and the posterior projections),
+        # materialised for the duration of one `encode` call.
+        self.weight_phases = PhaseScopedWeights()
 
     @property
     def device(self) -> torch.device:
@@ -412,6 +443,15 @@ class AudioVAE(nn.Module):
     @property
     def sample_rate(self) -> int:
         return self.config.sample_rate
+
+    def close(self) -> None:
+        """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
+        (on the CPU), and the model then runs with all weights where they are. A resident VAE has nothing to
+        release. `H3Pipeline.release` calls this."""
+        self.decoder.block_residency.close()
+        self.decoder.block_residency = AllResident(len(self.decoder.ups))
+        self.weight_phases.close()
+        self.weight_phases = PhaseScopedWeights()
 
     def _stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         mean = torch.tensor(self.config.latents_mean, dtype=torch.float32, device=self.device).view(1, -1, 1)
@@ -433,9 +473,10 @@ class AudioVAE(nn.Module):
         hop = self.config.hop_length
         x = waveform.to(device=self.device, dtype=torch.float32).reshape(batch * STEREO_CHANNELS, 1, samples)
         x = F.pad(x, (0, (-samples) % hop))
-        hidden = self.pre_block(self.encoder(x).transpose(1, 2)).transpose(1, 2)
         mean, std = self._stats()
-        latent = (self.mean_proj(hidden) - mean) / std
+        with self.weight_phases.phase("encoder"):
+            hidden = self.pre_block(self.encoder(x).transpose(1, 2)).transpose(1, 2)
+            latent = (self.mean_proj(hidden) - mean) / std
         return latent.view(batch, STEREO_CHANNELS, *latent.shape[1:]).transpose(1, 2)
 
     @torch.no_grad()

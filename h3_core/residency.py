@@ -659,3 +659,26 @@ def layerwise_manager(device: torch.device | str, *, prefetch: int | None = None
     """A manager with the backend for `device` (CUDA: asynchronous, pinned slabs; else synchronous, held tensors)."""
     return LayerwiseOffloadManager(offload_backend(device, **backend_options), prefetch=prefetch,
                                    resident_blocks=resident_blocks)
+
+
+def attach_layerwise(model: nn.Module, recipes: Mapping[str, HostTensor], manager: LayerwiseOffloadManager, *,
+                     blocks: Sequence[tuple[str, ...]], phases: Mapping[str, tuple[str, ...]] | None = None,
+                     device: torch.device | str) -> tuple[LayerwiseOffloadManager, PhaseScopedWeights]:
+    """Hand a loaded model's parameters to `manager` and to phase-scoped weights, grouped by name prefix.
+
+    Unit i of `manager` is every parameter whose name starts with one of `blocks[i]`; phase p holds those under
+    `phases[p]` (phases without parameters are left out). `recipes[name]` says how each such parameter is made from
+    host tensors (the loader's memory maps). Phase weights are materialised synchronously on `device`.
+    """
+    params = dict(model.named_parameters())
+
+    def unit(prefixes: tuple[str, ...]) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in params.items() if name.startswith(prefixes)}
+
+    block_units = [unit(prefixes) for prefixes in blocks]
+    manager.attach(block_units, [{n: recipes[n] for n in u} for u in block_units])
+    phase_units = {name: unit(prefixes) for name, prefixes in (phases or {}).items()}
+    phase_units = {name: u for name, u in phase_units.items() if u}
+    weight_phases = PhaseScopedWeights(SynchronousBackend(device), phase_units,
+                                       {name: {n: recipes[n] for n in u} for name, u in phase_units.items()})
+    return manager, weight_phases

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import H3Error
+from .residency import AllResident, PhaseScopedWeights
 from .vision_tower import ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, prepare_image
 
 
@@ -232,9 +233,11 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        # Iterated in one loop with one call per layer, so a residency manager can stream them one at a time.
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(num_layers))
         self.rotary = InterleavedMRoPE(config.head_dim, config.rope_theta, config.mrope_section)
+        # Where the decoder layers' weights live while the forward runs; load_text_encoder(residency="layerwise")
+        # replaces it with a manager that streams them one layer at a time (see residency.py).
+        self.block_residency = AllResident(num_layers)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, visual_rows: torch.Tensor | None = None,
                 deepstack: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -246,10 +249,17 @@ class LanguageModel(nn.Module):
         cos, sin = self.rotary(positions)
         x = inputs_embeds
         last = len(self.layers) - 1
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin)
-            if index < len(deepstack) and index < last:
-                x = x.index_add(1, visual_rows, deepstack[index].to(x.dtype)[None])
+        residency = self.block_residency
+        residency.begin_pass()
+        try:
+            for index, layer in enumerate(self.layers):
+                residency.acquire(index)  # layer `index` on the device (and the next `prefetch` on their way)
+                x = layer(x, cos, sin)
+                residency.release(index)
+                if index < len(deepstack) and index < last:
+                    x = x.index_add(1, visual_rows, deepstack[index].to(x.dtype)[None])
+        finally:
+            residency.end_pass()  # also after an exception in a layer: the next prompt starts clean
         return x
 
 
@@ -302,6 +312,8 @@ class TextEncoder(nn.Module):
         self.vision_tower = VisionTower(config.vision) if config.vision is not None else None
         self.tokenizer = None  # an H3Tokenizer, attached by the loader
         self.image_processor = ImageProcessorConfig()
+        # Phase-scoped weights ("embeddings": the token table, "vision": the vision tower) when loaded layerwise.
+        self.weight_phases = PhaseScopedWeights()
 
     @property
     def device(self) -> torch.device:
@@ -323,13 +335,15 @@ class TextEncoder(nn.Module):
         if int(ids.max()) >= self.config.language.vocab_size or int(ids.min()) < 0:
             raise H3Error(f"token id {int(ids.max())} is outside the encoder's vocabulary of "
                           f"{self.config.language.vocab_size}; the tokenizer does not belong to this checkpoint.")
-        x = self.language_model.embed_tokens(ids)[None]
+        with self.weight_phases.phase("embeddings"):
+            x = self.language_model.embed_tokens(ids)[None]
         visual_rows, deepstack = None, ()
         if images:
             if self.vision_tower is None:
                 raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
                               "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
-            merged, deepstack = self.vision_tower(images)
+            with self.weight_phases.phase("vision"):
+                merged, deepstack = self.vision_tower(images)
             visual_rows = torch.cat([torch.arange(s, s + n) for s, n in image_spans]).to(device)
             if merged.shape[0] != visual_rows.numel():
                 raise H3Error(f"the images give {merged.shape[0]} vision features but the tokens hold "
@@ -340,6 +354,15 @@ class TextEncoder(nn.Module):
         else:
             positions = text_positions(ids.numel(), device)
         return self.language_model(x, positions, visual_rows, deepstack)[0]
+
+    def close(self) -> None:
+        """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
+        (the memory map; on the CPU), and the forward then runs with all weights where they are. A resident encoder
+        has nothing to release. `H3Pipeline.release` calls this."""
+        self.language_model.block_residency.close()
+        self.language_model.block_residency = AllResident(len(self.language_model.layers))
+        self.weight_phases.close()
+        self.weight_phases = PhaseScopedWeights()
 
     @torch.no_grad()
     def encode(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:

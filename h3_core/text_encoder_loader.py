@@ -24,8 +24,11 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from .admission import ComponentPlan, Platform, check_admission
 from .dit_loader import _open_folder_files, _read_json
 from .errors import CheckpointError, H3Error
+from .host_store import HostTensor
+from .residency import Residency, attach_layerwise, layerwise_manager
 from .safetensors_io import SafetensorsFile, refuse_pickle
 from .text_encoder import LanguageModelConfig, TextEncoder, TextEncoderConfig
 from .tokenizer import TOKENIZER_FILE, H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, H3Tokenizer
@@ -390,10 +393,20 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 
 
 _OPTIONS = ("config", "processor")
+# With layerwise residency: streamed per decoder layer, or materialised only for one phase of each forward.
+STREAMED_LAYER_PREFIX = "language_model.layers."
+PHASE_SCOPED = {"embeddings": ("language_model.embed_tokens.",), "vision": ("vision_tower.",)}
+
+
+def _offloaded(name: str) -> bool:
+    return name.startswith(STREAMED_LAYER_PREFIX) or any(name.startswith(p) for ps in PHASE_SCOPED.values()
+                                                         for p in ps)
 
 
 def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int = 50, device="cpu",
-                      dtype: torch.dtype | None = None, **options: Any) -> TextEncoder:
+                      dtype: torch.dtype | None = None, residency: Residency | str = Residency.RESIDENT,
+                      prefetch: int | None = None, resident_blocks: int | list[int] | None = None,
+                      **options: Any) -> TextEncoder:
     """Load H3's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
 
     `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
@@ -405,12 +418,21 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     carries no config); `processor` — a `preprocessor_config.json` (or its folder) for the keyframe preprocessing,
     found beside the model when omitted (else the released Qwen3-VL values).
 
+    `residency="layerwise"` streams the decoder layers: they stay in the memory maps (no copy at load) and at most
+    `prefetch + 1` of them are materialised on the device during a forward (`prefetch` default 0, 1 on CUDA);
+    `resident_blocks` (the first N layers, or indices) stay on the device. The token embedding and the vision tower
+    are materialised only for their phase of each forward ("embeddings", "vision"). `encoder.close()` releases it.
+
     Returns a `TextEncoder`; `encoder.encode(prompt, images=())` gives `(states [L, hidden], tags [L])`.
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"load_text_encoder() got unknown option(s) {unknown}; supported: {list(_OPTIONS)}.")
     device = torch.device(device)
+    mode = Residency.parse(residency)
+    check_admission({"text_encoder": ComponentPlan(mode, str(device))}, Platform.for_device(device))
+    layerwise = mode is Residency.LAYERWISE_OFFLOAD
+    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
     ckpt = resolve_text_encoder_checkpoint(source, layer, options.get("config"))
     h3_tokenizer = _find_tokenizer(ckpt, tokenizer)
     vocab = ckpt.config.language.vocab_size
@@ -434,10 +456,21 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
 
     with torch.device("meta"):
         model = TextEncoder(ckpt.config, layer)
+    recipes: dict[str, HostTensor] = {}
     for name, _ in list(model.named_parameters()):
         key = ckpt.key_for(name)
         weight = ckpt.files[key].tensor(key)
-        _set_tensor(model, name, weight.to(device=device, dtype=dtype or weight.dtype))
+        target = dtype or weight.dtype
+        if layerwise and _offloaded(name):
+            # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
+            recipes[name] = HostTensor((weight,), target, tuple(weight.shape))
+            _set_tensor(model, name, torch.empty(0, dtype=target, device=device))
+            continue
+        _set_tensor(model, name, weight.to(device=device, dtype=target))
+    if layerwise:
+        blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
+        model.language_model.block_residency, model.weight_phases = attach_layerwise(
+            model, recipes, manager, blocks=blocks, phases=PHASE_SCOPED, device=device)
     model.eval()
     model.tokenizer = h3_tokenizer
     model.image_processor = image_processor

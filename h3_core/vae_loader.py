@@ -32,10 +32,13 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .admission import ComponentPlan, Platform, check_admission
 from .audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN, PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD,
                         WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig, fold_weight_norm)
 from .dit_loader import WeightSpec, _open_folder_files, _read_json, _set_tensor
 from .errors import CheckpointError, H3Error
+from .host_store import HostTensor
+from .residency import LayerwiseOffloadManager, Residency, attach_layerwise, layerwise_manager
 from .safetensors_io import SafetensorsFile, refuse_pickle
 from .video_vae import (PUBLISHED_LATENTS_MEAN as VIDEO_PUBLISHED_MEAN, PUBLISHED_LATENTS_STD as VIDEO_PUBLISHED_STD,
                         DecodeAutocast, TilingOptions, VideoVAE, VideoVAEConfig)
@@ -727,31 +730,73 @@ def _float32_only(dtype, what: str) -> None:
                                                   what == "video VAE" else "."))
 
 
-def _populate(model: nn.Module, ckpt: VAECheckpoint, device: torch.device) -> None:
+def _residency_manager(component: str, device: torch.device, residency, prefetch,
+                       resident_blocks) -> LayerwiseOffloadManager | None:
+    """Check the residency setting against the platform's admission rules before anything is read; the manager
+    for a layerwise load, None for a resident one."""
+    mode = Residency.parse(residency)
+    check_admission({component: ComponentPlan(mode, str(device))}, Platform.for_device(device))
+    if mode is Residency.RESIDENT:
+        return None
+    return layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks)
+
+
+def _populate(model: nn.Module, ckpt: VAECheckpoint, device: torch.device, manager: LayerwiseOffloadManager | None,
+              blocks: list[tuple[str, ...]], phases: dict[str, tuple[str, ...]]) -> None:
+    """Place every tensor as float32 on `device`; with a `manager`, the parameters under `blocks` (one unit per
+    entry) and `phases` are left in the memory maps and handed to it instead.
+
+    One recipe per tensor serves both paths: the sources are upcast to float32 first, then combined (QKV rows,
+    weight-norm fold), so a streamed parameter is materialised with the same numbers as a resident one.
+    """
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    parameters = {name for name, _ in model.named_parameters()}
+    prefixes = tuple(p for unit in blocks for p in unit) + tuple(p for ps in phases.values() for p in ps)
+    recipes: dict[str, HostTensor] = {}
     for spec in ckpt.specs:
-        weight = ckpt.weight(spec)
-        _set_tensor(model, spec.name, weight.to(device=device, dtype=torch.float32))
+        sources = tuple(ckpt.files[k].tensor(k) for k in spec.keys)
+        recipe = HostTensor(sources, torch.float32, shapes[spec.name], spec.combine)
+        if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
+            recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
+            _set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
+            continue
+        _set_tensor(model, spec.name, recipe.host_value().to(device))
+    if manager is not None:
+        manager, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks, phases=phases,
+                                                        device=device)
+        model.decoder.block_residency = manager
     model.eval()
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
 
 
+# Materialised only while `encode` runs when loaded layerwise (the decoders' blocks stream instead).
+VIDEO_PHASE_SCOPED = {"encoder": ("encoder.", "quant_conv.")}
+AUDIO_PHASE_SCOPED = {"encoder": ("encoder.", "pre_block.", "mean_proj.", "logs_proj.")}
+
 _VIDEO_OPTIONS = ("tiling", "tile_size", "tile_min_overlap", "decode_autocast")
 
 
 def load_video_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
-                   **options) -> VideoVAE:
+                   residency: Residency | str = Residency.RESIDENT, prefetch: int | None = None,
+                   resident_blocks: int | list[int] | None = None, **options) -> VideoVAE:
     """Load the H3 video VAE from a diffusers `vae/` folder, a native `video_vae/` folder or a ComfyUI single file.
 
     Options: `tiling` (default True: the released frames are tiled ones), `tile_size` / `tile_min_overlap` in pixels
     (default 256 / 64, or the native config's values), `decode_autocast` (default: fp16 on CUDA only).
     Weights are float32; on the CPU with an fp32 file they are the memory-mapped file pages themselves.
+
+    `residency="layerwise"` streams the ViT decoder's transformer blocks (one pass per decoded tile): they stay in
+    the memory maps and are upcast / de-interleaved when materialised; at most `prefetch + 1` are on the device
+    (`prefetch` default 0, 1 on CUDA), `resident_blocks` (the first N, or indices) stay there. The CNN encoder and
+    quant_conv are materialised only during `encode` (phase "encoder"). `vae.close()` releases it.
     """
     unknown = sorted(set(options) - set(_VIDEO_OPTIONS))
     if unknown:
         raise TypeError(f"load_video_vae() got unknown option(s) {unknown}; supported: {list(_VIDEO_OPTIONS)}.")
     _float32_only(dtype, "video VAE")
     device = torch.device(device)
+    manager = _residency_manager("video_vae", device, residency, prefetch, resident_blocks)
     ckpt = resolve_video_vae_checkpoint(source)
     tiling = TilingOptions(
         enabled=bool(options.get("tiling", True)),
@@ -762,19 +807,30 @@ def load_video_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtyp
     autocast = DecodeAutocast.for_device(device, options.get("decode_autocast"))
     with torch.device("meta"):
         model = VideoVAE(ckpt.config, tiling, autocast)
-    _populate(model, ckpt, device)
+    blocks = [(f"decoder.transformer_blocks.{i}.",) for i in range(ckpt.config.decoder_num_layers)]
+    _populate(model, ckpt, device, manager, blocks, VIDEO_PHASE_SCOPED)
     return model
 
 
 def load_audio_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
-                   **options) -> AudioVAE:
-    """Load the H3 audio VAE from a diffusers or native `audio_vae/` folder or a ComfyUI single file (float32)."""
+                   residency: Residency | str = Residency.RESIDENT, prefetch: int | None = None,
+                   resident_blocks: int | list[int] | None = None, **options) -> AudioVAE:
+    """Load the H3 audio VAE from a diffusers or native `audio_vae/` folder or a ComfyUI single file (float32).
+
+    `residency="layerwise"` streams the decoder's upsampling stages, each unit one upsampler with the AMP blocks
+    that follow it (7 units; stage 0 holds most of the decoder's weights): at most `prefetch + 1` stages are on the
+    device, `resident_blocks` (the first N stages, or indices) stay there; weight-norm pairs are folded when a stage
+    is materialised. The encoder side (encoder, pre_block, posterior projections) is materialised only during
+    `encode` (phase "encoder"); conv_pre, the output activation, conv_post and dec_in_proj stay resident.
+    """
     if options:
         raise TypeError(f"load_audio_vae() got unknown option(s) {sorted(options)}; it takes none.")
     _float32_only(dtype, "audio VAE")
     device = torch.device(device)
+    manager = _residency_manager("audio_vae", device, residency, prefetch, resident_blocks)
     ckpt = resolve_audio_vae_checkpoint(source)
     with torch.device("meta"):
         model = AudioVAE(ckpt.config)
-    _populate(model, ckpt, device)
+    blocks = [tuple(f"decoder.{p}" for p in model.decoder.stage_prefixes(i)) for i in range(len(model.decoder.ups))]
+    _populate(model, ckpt, device, manager, blocks, AUDIO_PHASE_SCOPED)
     return model

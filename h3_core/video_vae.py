@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import H3Error
+from .residency import AllResident, PhaseScopedWeights
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -415,6 +416,9 @@ class VideoDecoder(nn.Module):
         self.transformer_blocks = nn.ModuleList(DecoderBlock(c) for _ in range(c.decoder_num_layers))
         self.norm_out = nn.LayerNorm(dim, eps=c.decoder_norm_eps)
         self.proj_out = nn.Linear(dim, c.patch_dim)
+        # Where the transformer blocks' weights live during a forward (one forward per tile of a clip);
+        # load_video_vae(residency="layerwise") replaces it with a manager that streams them (see residency.py).
+        self.block_residency = AllResident(c.decoder_num_layers)
 
     def forward(self, latent: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -428,8 +432,15 @@ class VideoDecoder(nn.Module):
         rope = decoder_rotary(frames, height, width, c.decoder_num_register_tokens + 1, c.rope_dim,
                               c.decoder_rope_theta, x.device)
 
-        for block in self.transformer_blocks:
-            x = block(x, rope)
+        residency = self.block_residency
+        residency.begin_pass()
+        try:
+            for index, block in enumerate(self.transformer_blocks):
+                residency.acquire(index)  # block `index` on the device (and the next `prefetch` on their way)
+                x = block(x, rope)
+                residency.release(index)
+        finally:
+            residency.end_pass()  # also after an exception in a block: the next tile starts clean
 
         with _full_precision(x):
             x = self.proj_out(self.norm_out(x.float()).to(self.proj_out.weight.dtype))
@@ -554,10 +565,22 @@ class VideoVAE(nn.Module):
         self.decoder = VideoDecoder(c)
         self.tiling = (tiling or TilingOptions()).check(c.spatial_ratio)
         self.autocast = autocast or DecodeAutocast("cpu")
+        # Phase-scoped weights when loaded layerwise: "encoder" (the CNN encoder and quant_conv), materialised for
+        # the duration of one `encode` call.
+        self.weight_phases = PhaseScopedWeights()
 
     @property
     def device(self) -> torch.device:
         return self.post_quant_conv.weight.device
+
+    def close(self) -> None:
+        """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
+        (on the CPU), and the model then runs with all weights where they are. A resident VAE has nothing to
+        release. `H3Pipeline.release` calls this."""
+        self.decoder.block_residency.close()
+        self.decoder.block_residency = AllResident(len(self.decoder.transformer_blocks))
+        self.weight_phases.close()
+        self.weight_phases = PhaseScopedWeights()
 
     def _channel_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         mean = torch.tensor(self.config.latents_mean, dtype=torch.float32, device=device).view(1, -1, 1, 1, 1)
@@ -573,7 +596,10 @@ class VideoVAE(nn.Module):
     # ---- one clip ---------------------------------------------------------------------------------------------------
 
     def encode_clip(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Posterior moments `[B, 2C, t, h, w]` of one clip of ImageNet-normalised pixels `[B, 3, f, H, W]`, tiled."""
+        """Posterior moments `[B, 2C, t, h, w]` of one clip of ImageNet-normalised pixels `[B, 3, f, H, W]`, tiled.
+
+        With layerwise residency the encoder's weights exist only inside the "encoder" phase, which `encode` opens.
+        """
         def moments(x):
             return self.quant_conv(self.encoder(x))
 
@@ -739,16 +765,17 @@ class VideoVAE(nn.Module):
             return (x - px_mean) / px_std
 
         count = frames.shape[1]
-        if count == 1:
-            mean = self.encode_clip(clip_pixels(0, 1))[:, : c.latent_channels, -1:]
-        else:
-            means = []
-            for start in range(0, count, c.clip_length):
-                x = clip_pixels(start, min(start + c.clip_length, count))
-                if x.shape[2] < c.clip_length:
-                    x = torch.cat((x, x[:, :, -1:].expand(-1, -1, c.clip_length - x.shape[2], -1, -1)), dim=2)
-                means.append(self.encode_clip(x)[:, : c.latent_channels])
-            mean = torch.cat(means, dim=2)
-            if c.token_drop:
-                mean = mean[:, :, : -c.token_drop]
+        with self.weight_phases.phase("encoder"):  # once for every clip and tile, not per tile
+            if count == 1:
+                mean = self.encode_clip(clip_pixels(0, 1))[:, : c.latent_channels, -1:]
+            else:
+                means = []
+                for start in range(0, count, c.clip_length):
+                    x = clip_pixels(start, min(start + c.clip_length, count))
+                    if x.shape[2] < c.clip_length:
+                        x = torch.cat((x, x[:, :, -1:].expand(-1, -1, c.clip_length - x.shape[2], -1, -1)), dim=2)
+                    means.append(self.encode_clip(x)[:, : c.latent_channels])
+                mean = torch.cat(means, dim=2)
+                if c.token_drop:
+                    mean = mean[:, :, : -c.token_drop]
         return (mean - lat_mean) / lat_std
