@@ -34,8 +34,6 @@ class H3StreamDecodeAudio(io.ComfyNode):
             comfy_runtime.check_interrupt()
             vae = pipeline.component("audio_vae")
             waveform = vae.decode(h3_latent.audio.to(pipeline.device))[0]
-        if h3_model.settings.released_after_phase("audio_vae"):
-            pipeline.release("audio_vae")
         comfy_runtime.soft_empty_cache()
         waveform = waveform[:, : audio_samples_for_frames(h3_latent.shape.num_frames)].float().cpu().contiguous()
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

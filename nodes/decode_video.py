@@ -33,7 +33,5 @@ class H3StreamDecodeVideo(io.ComfyNode):
             comfy_runtime.check_interrupt()
             vae = pipeline.component("video_vae")
             frames = vae.decode(h3_latent.video.to(pipeline.device))[0]
-        if h3_model.settings.released_after_phase("video_vae"):
-            pipeline.release("video_vae")
         comfy_runtime.soft_empty_cache()
         return io.NodeOutput(frames.float().cpu().contiguous(), float(FPS))

@@ -12,16 +12,14 @@ from .sockets import H3Model, H3ModelHandle
 
 log = logging.getLogger("h3_stream")
 
-RESIDENCY_TOOLTIP = "RESIDENT keeps the {what} loaded between runs. LAYERWISE_OFFLOAD: {offload} On Apple MPS every " \
-                    "component must be LAYERWISE_OFFLOAD."
-STREAMED = ("its blocks stay in host memory (on MPS: the memory-mapped files themselves) and move to the device one "
-            "at a time.")
-PHASE_SCOPED = "it is loaded for its step only and released right after."
+RESIDENCY_TOOLTIP = ("RESIDENT keeps every weight of the {what} on the device. LAYERWISE_OFFLOAD keeps its {blocks} in "
+                     "host memory (on Apple MPS: the memory-mapped files themselves) and moves them to the device one "
+                     "at a time.{extra} On MPS every component must be LAYERWISE_OFFLOAD.")
 
 
-def _residency_input(name: str, what: str, default: str, offload: str) -> io.Combo.Input:
+def _residency_input(name: str, what: str, blocks: str, default: str, extra: str = "") -> io.Combo.Input:
     return io.Combo.Input(name, options=list(RESIDENCIES), default=default,
-                          tooltip=RESIDENCY_TOOLTIP.format(what=what, offload=offload))
+                          tooltip=RESIDENCY_TOOLTIP.format(what=what, blocks=blocks, extra=extra))
 
 
 def admission_error(settings: MemorySettings) -> str | None:
@@ -53,14 +51,14 @@ class H3StreamLoader(io.ComfyNode):
                 io.Combo.Input("partition", options=list(model_sources.PARTITIONS), default="FL2VA",
                                tooltip="Which transformer weights: FL2VA (text and first/last frame to video+audio) "
                                        "or Ref2VA (reference to video+audio)."),
-                _residency_input("transformer_residency", "transformer (33B DiT)", LAYERWISE_OFFLOAD, STREAMED),
-                _residency_input("text_encoder_residency", "text encoder (Qwen3-VL)", LAYERWISE_OFFLOAD,
-                                 PHASE_SCOPED),
-                _residency_input("video_vae_residency", "video VAE", RESIDENT, PHASE_SCOPED),
-                _residency_input("audio_vae_residency", "audio VAE", RESIDENT, PHASE_SCOPED),
+                _residency_input("transformer_residency", "transformer (33B DiT)", "blocks", LAYERWISE_OFFLOAD),
+                _residency_input("text_encoder_residency", "text encoder (Qwen3-VL)", "decoder layers",
+                                 LAYERWISE_OFFLOAD, " It is also released right after encoding, before sampling."),
+                _residency_input("video_vae_residency", "video VAE", "decoder blocks", RESIDENT),
+                _residency_input("audio_vae_residency", "audio VAE", "upsampling stages", RESIDENT),
                 io.Int.Input("prefetch", default=-1, min=-1, max=8,
-                             tooltip="Transformer blocks copied ahead of the one computing (layerwise offload only). "
-                                     "-1: the device's default (1 on CUDA, 0 elsewhere)."),
+                             tooltip="Blocks copied ahead of the one computing, for every LAYERWISE_OFFLOAD "
+                                     "component. -1: the device's default (1 on CUDA, 0 elsewhere)."),
                 io.Int.Input("resident_blocks", default=0, min=0, max=256,
                              tooltip="With layerwise offload, keep this many of the first transformer blocks on the "
                                      "device (faster, costs about 1.2 GiB each in bf16)."),

@@ -64,26 +64,24 @@ class MemorySettings:
         """An offloaded text encoder is released right after encoding, before the transformer loads."""
         return not self.offloaded("text_encoder")
 
-    def released_after_phase(self, component: str) -> bool:
-        """Offloaded components without block streaming in h3_core (text encoder, VAEs) live for their phase only:
-        loaded when a node needs them, released when it is done. The transformer streams its blocks instead."""
-        return component != "transformer" and self.offloaded(component)
-
     def component_options(self) -> dict[str, dict]:
         """Keyword arguments of each component's h3_core loader. Only settings that differ from the loaders' defaults
-        are passed (every loader is resident by default; only `load_dit` streams blocks)."""
-        transformer: dict = {}
-        if self.offloaded("transformer"):
-            transformer["residency"] = _CORE_RESIDENCY[LAYERWISE_OFFLOAD]
-            if self.prefetch >= 0:
-                transformer["prefetch"] = self.prefetch
-            if self.resident_blocks > 0:
-                transformer["resident_blocks"] = self.resident_blocks
+        are passed (every loader is resident by default). `prefetch` applies to every offloaded component;
+        `resident_blocks` counts transformer blocks (about 1.2 GiB each in bf16) and chunking is the transformer's."""
+        options: dict[str, dict] = {name: {} for name in COMPONENTS}
+        for name in COMPONENTS:
+            if self.offloaded(name):
+                options[name]["residency"] = _CORE_RESIDENCY[LAYERWISE_OFFLOAD]
+                if self.prefetch >= 0:
+                    options[name]["prefetch"] = self.prefetch
+        transformer = options["transformer"]
+        if self.offloaded("transformer") and self.resident_blocks > 0:
+            transformer["resident_blocks"] = self.resident_blocks
         if self.chunk_size > 0:
             transformer["chunk_size"] = self.chunk_size
         if self.memory_budget_bytes is not None:
             transformer["memory_budget"] = self.memory_budget_bytes
-        return {"transformer": transformer} if transformer else {}
+        return {name: value for name, value in options.items() if value}
 
     def admission_plan(self) -> dict:
         """The plan `h3_core.admission.check_admission` judges: every component's residency, on the one device."""

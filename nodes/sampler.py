@@ -99,7 +99,5 @@ class H3StreamSampler(io.ComfyNode):
                                           video_shift=video_shift, audio_shift=audio_shift,
                                           progress=lambda step, total: bar.update_absolute(step, total),
                                           check_interrupt=comfy_runtime.check_interrupt)
-        if h3_cond.has_keyframes and settings.released_after_phase("video_vae"):
-            pipeline.release("video_vae")  # it encoded the keyframes; decoding loads it again
         comfy_runtime.soft_empty_cache()
         return io.NodeOutput(latents)

@@ -130,17 +130,21 @@ def test_entry_point_is_v3_only_and_ships_its_web_folder(pack):
 
 def test_memory_settings_become_h3_core_loader_options(pack):
     MemorySettings = comfy_double.pack_module("nodes.memory_settings").MemorySettings
-
     offloaded = MemorySettings.build(transformer="LAYERWISE_OFFLOAD", text_encoder="LAYERWISE_OFFLOAD",
                                      video_vae="RESIDENT", audio_vae="LAYERWISE_OFFLOAD", prefetch=2,
                                      resident_blocks=3, chunk_size=512, memory_budget_mib=64, dtype="bfloat16")
-    assert offloaded.component_options() == {"transformer": {
-        "residency": "layerwise", "prefetch": 2, "resident_blocks": 3, "chunk_size": 512,
-        "memory_budget": 64 << 20}}
-    assert not offloaded.keep_text_encoder
-    assert offloaded.released_after_phase("audio_vae") and not offloaded.released_after_phase("video_vae")
-    assert not offloaded.released_after_phase("transformer")  # streams its blocks instead
-    assert offloaded.torch_dtype is torch.bfloat16
+    assert offloaded.component_options() == {
+        "transformer": {"residency": "layerwise", "prefetch": 2, "resident_blocks": 3, "chunk_size": 512,
+                        "memory_budget": 64 << 20},
+        "text_encoder": {"residency": "layerwise", "prefetch": 2},
+        "audio_vae": {"residency": "layerwise", "prefetch": 2},
+    }
+    assert not offloaded.keep_text_encoder and offloaded.torch_dtype is torch.bfloat16
+    assert {name: plan.residency for name, plan in offloaded.admission_plan().items()} == {
+        "transformer": "layerwise", "text_encoder": "layerwise", "video_vae": "resident", "audio_vae": "layerwise"}
+    auto_prefetch = MemorySettings.build(transformer="LAYERWISE_OFFLOAD", text_encoder="RESIDENT",
+                                         video_vae="RESIDENT", audio_vae="RESIDENT")
+    assert auto_prefetch.component_options() == {"transformer": {"residency": "layerwise"}}  # h3_core's default
     resident = MemorySettings.build(transformer="RESIDENT", text_encoder="RESIDENT", video_vae="RESIDENT",
                                     audio_vae="RESIDENT", prefetch=2, resident_blocks=3)
     assert resident.component_options() == {} and resident.keep_text_encoder  # loaders' defaults: nothing passed
