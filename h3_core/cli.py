@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partition", choices=("fl2va", "ref2va"), default="fl2va")
     g.add_argument("--first-frame", type=Path, help="keyframe image for the first frame (FL2VA)")
     g.add_argument("--last-frame", type=Path, help="keyframe image for the last frame (FL2VA)")
-    g.add_argument("--residency", choices=("resident", "layerwise"), default="resident",
-                   help="transformer and text encoder: all weights on the device, or streamed block by block")
+    g.add_argument("--residency", choices=("auto", "resident", "layerwise"), default="auto",
+                   help="every component: all weights on the device, or streamed block by block "
+                        "(auto: layerwise on Apple MPS, resident elsewhere)")
     g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP (default: fused)")
     g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")

@@ -133,18 +133,27 @@ def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
     from .vae_loader import resolve_audio_vae_checkpoint, resolve_video_vae_checkpoint
 
+    from .audio_vae import AudioVAE
+
     out = []
     for name, ckpt in (("video_vae", resolve_video_vae_checkpoint(video_source)),
                        ("audio_vae", resolve_audio_vae_checkpoint(audio_source))):
+        if name == "video_vae":
+            unit_of = lambda n: n.split(".")[2] if n.startswith("decoder.transformer_blocks.") else None  # noqa: E731
+        else:
+            with torch.device("meta"):
+                decoder = AudioVAE(ckpt.config).decoder
+            stages = [tuple(f"decoder.{p}" for p in decoder.stage_prefixes(i)) for i in range(len(decoder.ups))]
+            unit_of = lambda n: next((str(i) for i, p in enumerate(stages) if n.startswith(p)), None)  # noqa: E731
         total = 0
         units: dict[str, int] = {}
         for spec in ckpt.specs:
             numel = sum(ckpt.files[k].nbytes(k) // _dtype_bytes(ckpt.files[k].dtype(k)) for k in spec.keys)
             size = numel * 4  # VAEs always run in float32
             total += size
-            if spec.name.startswith("decoder.transformer_blocks."):
-                index = spec.name.split(".")[2]
-                units[index] = units.get(index, 0) + size
+            unit = unit_of(spec.name)
+            if unit is not None:
+                units[unit] = units.get(unit, 0) + size
         if name == "video_vae":
             c = ckpt.config
             # One 17-frame clip of pixels on the device, the decoder's tokens for one tile (256 px -> 16x16 latents

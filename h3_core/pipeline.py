@@ -369,21 +369,28 @@ class H3Pipeline:
         return GenerationResult(frames, waveform, timings=timings)
 
 
-def plan_components(sources: ModelSources, *, device="cpu", residency: str = "resident", chunk_size: int | None = None,
+def plan_components(sources: ModelSources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
                     log: Callable[[str], None] | None = None) -> dict:
-    """Loader options per component from the user's settings; with a memory budget, the preflight decides."""
+    """Loader options per component from the user's settings; with a memory budget, the preflight decides.
+
+    `residency` applies to all four components: "resident", "layerwise", or "auto" (layerwise on Apple MPS, where the
+    admission rules require it for every component; resident elsewhere).
+    """
     if memory_budget_gb is not None:
         from .memory_plan import plan_for_budget
 
+        if not memory_budget_gb > 0:
+            raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
                                height=height, num_frames=num_frames, chunk_size=chunk_size)
         if log:
             log(plan.describe())
         return plan.component_options
-    options: dict = {"transformer": {}}
-    if residency != "resident":
-        options["transformer"]["residency"] = residency
+    if residency == "auto":
+        residency = "layerwise" if torch.device(device).type == "mps" else "resident"
+    options: dict = {name: ({"residency": residency} if residency != "resident" else {})
+                     for name in H3Pipeline.COMPONENTS}
     if chunk_size is not None:
         options["transformer"]["chunk_size"] = chunk_size
     return options

@@ -74,3 +74,7 @@ def test_ci_runs_the_readme_test_command():
     command = "python -m pytest -q tests"
     assert command in readme and command in ci
     assert "pip install torch==2.13.0" in readme and "torch==2.13.0" in ci
+    assert "pip install -e '.[test,video]'" in readme and "-e '.[test,video]'" in ci
+    # The README's first command is the CLI on the embedded tiny model.
+    first = readme.split("```bash", 1)[1].split("```", 1)[0]
+    assert "python -m h3_core generate" in first.splitlines()[2]

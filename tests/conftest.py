@@ -1,0 +1,11 @@
+"""Test-session settings that must be in place before torch is imported."""
+
+import os
+
+# MKL picks GEMM kernels by operand alignment unless asked for conditional numerical reproducibility, so the same
+# weights memory-mapped from a file and copied to a fresh allocation can differ in the last ulp. The bitwise
+# equalities these tests assert (layerwise vs resident, chunked MLP vs fused) hold in that mode.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# The tiny test models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine slow small
+# kernels down by orders of magnitude. Subprocesses (CLI tests) inherit these settings.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
