@@ -176,9 +176,12 @@ def test_prompt_validation_marks_the_loader_red_on_mps(pack):
 
     prompt = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     prompt["1"]["inputs"]["device"] = "mps"
-    with pytest.raises(PromptError, match="MPS admission refused") as caught:
-        PromptExecutor({**pack, **CORE_NODES}).validate(prompt)
-    assert [node for node, _ in caught.value.errors] == ["1"]
+    executor = PromptExecutor({**pack, **CORE_NODES})
+    executor.validate(prompt)  # the examples stream every component: admitted on MPS
+    prompt["1"]["inputs"]["video_vae_residency"] = "RESIDENT"
+    with pytest.raises(PromptError, match="MPS admission refused 1 setting") as caught:
+        executor.validate(prompt)
+    assert [node for node, _ in caught.value.errors] == ["1"] and "video_vae" in str(caught.value)
 
 
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
@@ -322,6 +325,30 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
     assert finished_blocks == [0, 1, 0, 1] and latents.video.isfinite().all()
     for handle_ in counters:
         handle_.remove()
+
+
+def _has_row_chunking() -> bool:
+    from h3_core.dit import H3DiT
+
+    return hasattr(H3DiT, "configure_chunking")
+
+
+@pytest.mark.skipif(not _has_row_chunking(), reason="h3_core without row chunking (H3DiT.configure_chunking)")
+def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recorders):
+    handle = load(pack, mps_reclaim_every=2)
+    cond = encode(pack, handle)
+    sample = pack["H3StreamSampler"]
+    fused, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    transformer = handle.pipeline.component("transformer")
+    policy = transformer.chunking
+    empties = recorders["mm"].soft_empty_cache_calls
+    chunked, = run(sample, "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "chunk_size": 16})
+    assert transformer.chunking is policy  # restored after the run
+    # Chunked attention sums in another order: equal to rounding (the chunking issue's own tolerance).
+    assert torch.allclose(chunked.video, fused.video, atol=1e-5, rtol=0)
+    assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
+    # mps_reclaim_every=2 empties the cache every second row chunk, on top of the one call after the phase.
+    assert recorders["mm"].soft_empty_cache_calls - empties > 1
 
 
 def test_fl2va_keyframes_must_match_the_sampler_canvas(pack):
