@@ -120,7 +120,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
         repo = (repo_id or "").strip()
         if not repo:
             raise H3Error("repo_id is empty; give a Hugging Face repo id such as 'MiniMaxAI/MiniMax-H3'.")
-        return resolve_model(repo, partition=core_partition, cache_dir=None)
+        return resolve_model(repo, partition=core_partition)
     raise H3Error(f"source {source!r} is not one of {list(SOURCES)}.")
 
 

@@ -221,6 +221,18 @@ def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     assert model_sources.fingerprint(model_sources.COMFY_REPACK, **repack) != before  # the loader re-runs
 
 
+def test_hugging_face_source_respects_offline_mode(pack, monkeypatch, tmp_path):
+    from h3_core.errors import CheckpointError, H3Error
+
+    model_sources = comfy_double.pack_module("nodes.model_sources")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache: nothing may be fetched
+    with pytest.raises(CheckpointError, match="nobody/nothing: .*Offline mode is on"):
+        model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="nobody/nothing")
+    with pytest.raises(H3Error, match="repo_id is empty"):
+        model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="  ")
+
+
 def test_tiny_model_has_no_ref2va_partition(pack):
     from h3_core.errors import CheckpointError
 
