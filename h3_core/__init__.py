@@ -1,6 +1,7 @@
 """h3_core: a pure-PyTorch implementation of MiniMax H3 with bounded memory. Never imports ComfyUI."""
 
 from .admission import AdmissionError, ComponentPlan, Platform, check_admission
+from .chunking import ChunkingBackend, ChunkingError, ChunkingPolicy, EveryNChunks, chunk_rows_for_budget
 from .config import H3DiTConfig
 from .dit import H3DiT
 from .dit_loader import load_dit, resolve_dit_checkpoint
@@ -23,6 +24,10 @@ __all__ = [
     "BlockResidency",
     "CheckpointError",
     "ComponentPlan",
+    "ChunkingBackend",
+    "ChunkingError",
+    "ChunkingPolicy",
+    "EveryNChunks",
     "H3DiT",
     "H3DiTConfig",
     "H3Error",
@@ -39,6 +44,7 @@ __all__ = [
     "TextEncoder",
     "build_packed_layout",
     "check_admission",
+    "chunk_rows_for_budget",
     "euler_step",
     "frames_for_seconds",
     "initial_noise",

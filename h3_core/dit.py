@@ -13,12 +13,15 @@ Precision follows the released checkpoint: the patch projections, the time MLP a
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .chunking import FUSED, ChunkingPolicy, RowChunks
 from .config import NUM_MODALITIES, NUM_MODULATIONS, H3DiTConfig
+from .errors import H3Error
 from .residency import AllResident, PhaseScopedWeights
 
 
@@ -63,7 +66,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with a fused QKV projection, per-head q/k RMSNorm and optional RoPE."""
+    """Multi-head self-attention with a fused QKV projection, per-head q/k RMSNorm and optional RoPE.
+
+    Runs over row chunks in two passes (one chunk of all rows is the fused path): pass 1 projects keys and values of
+    every row through the K/V row slice of the fused weight, pass 2 projects each query chunk through the Q slice
+    and attends against the full K and V. Every weight row is applied to every input row exactly once, as in one fused
+    projection.
+    """
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
         super().__init__()
@@ -74,16 +83,66 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=qk_norm_eps)
         self.out_proj = nn.Linear(heads * head_dim, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    @property
+    def inner_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    def project_keys_values(self, x: torch.Tensor, rope_rows=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `x` (B, n, hidden) -> normed, rotated keys and values, each (B, n, heads, head_dim)."""
         batch, rows, _ = x.shape
-        q, k, v = self.qkv_proj(x).view(batch, rows, 3, self.heads, self.head_dim).unbind(2)
-        q = self.q_norm(q)
-        k = self.k_norm(k)
-        if rope is not None:
-            q = apply_rotary(q, *rope)
-            k = apply_rotary(k, *rope)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.out_proj(out.transpose(1, 2).reshape(batch, rows, self.heads * self.head_dim))
+        # Rows [inner, 3 inner) of the [q; k; v] weight: a zero-copy view, so Q is not computed here.
+        kv = F.linear(x, self.qkv_proj.weight[self.inner_dim:])
+        keys, values = kv.view(batch, rows, 2, self.heads, self.head_dim).unbind(2)
+        keys = self.k_norm(keys)
+        if rope_rows is not None:
+            keys = apply_rotary(keys, *rope_rows)
+        return keys, values
+
+    def project_queries(self, x: torch.Tensor, rope_rows=None) -> torch.Tensor:
+        batch, rows, _ = x.shape
+        queries = F.linear(x, self.qkv_proj.weight[: self.inner_dim]).view(batch, rows, self.heads, self.head_dim)
+        queries = self.q_norm(queries)
+        if rope_rows is not None:
+            queries = apply_rotary(queries, *rope_rows)
+        return queries
+
+    def attend(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Queries (B, n, heads, d) against all keys/values (B, S, heads, d), then out_proj: (B, n, hidden)."""
+        batch, rows = queries.shape[:2]
+        out = F.scaled_dot_product_attention(queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+        return self.out_proj(out.transpose(1, 2).reshape(batch, rows, self.inner_dim))
+
+    def write_keys_values(self, x_rows: torch.Tensor, rope_rows, keys, values, start: int, rows: int):
+        """Pass-1 step: project rows `[start, start + n)` into the K/V buffers, allocating them on the first chunk."""
+        chunk_keys, chunk_values = self.project_keys_values(x_rows, rope_rows)
+        if keys is None:
+            shape = (x_rows.shape[0], rows, self.heads, self.head_dim)
+            keys, values = chunk_keys.new_empty(shape), chunk_values.new_empty(shape)
+        end = start + x_rows.shape[1]
+        keys[:, start:end] = chunk_keys
+        values[:, start:end] = chunk_values
+        return keys, values
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                chunks: RowChunks = FUSED) -> torch.Tensor:
+        rows = x.shape[1]
+        keys = values = out = None
+        for start, end in chunks.ranges(rows):
+            keys, values = self.write_keys_values(x[:, start:end], rope_slice(rope, start, end), keys, values,
+                                                  start, rows)
+        for start, end in chunks.query_ranges(rows):
+            result = self.attend(self.project_queries(x[:, start:end], rope_slice(rope, start, end)), keys, values)
+            out = result.new_empty((x.shape[0], rows, result.shape[-1])) if out is None else out
+            out[:, start:end] = result
+        return out
+
+
+def rope_slice(rope: tuple[torch.Tensor, torch.Tensor] | None, start: int, end: int):
+    """The (cos, sin) rows of packed rows `[start, end)`."""
+    if rope is None:
+        return None
+    cos, sin = rope
+    return cos[start:end], sin[start:end]
 
 
 class SwiGLU(nn.Module):
@@ -139,7 +198,13 @@ class TokenRefiner(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Main block: AdaLN-modulated attention and SwiGLU, modulation rows chosen per packed row."""
+    """Main block: AdaLN-modulated attention and SwiGLU, modulation rows chosen per packed row.
+
+    One forward for every chunk size (`FUSED` is one chunk of all rows). Its only full-length buffers are K, V and
+    the output, which first holds the modulated attention input, then each chunk's post-attention residual as soon as
+    that chunk's queries are done, then the MLP result in place; the AdaLN rows, projections and MLP temporaries exist
+    for one chunk at a time.
+    """
 
     def __init__(self, config: H3DiTConfig):
         super().__init__()
@@ -151,12 +216,43 @@ class TransformerBlock(nn.Module):
         self.mlp = SwiGLU(c.hidden_size, c.ffn_dim)
         self.adaln_proj = AdaLNProjection(c.time_embed_dim, NUM_MODULATIONS * NUM_MODALITIES * c.hidden_size)
 
-    def forward(self, x, time_act, adaln_index, rope):
-        # [M, 18 * hidden] -> [3M, 6 * hidden]: row 3m + tag; chunks shift/scale/gate (attention), then (MLP).
-        table = self.adaln_proj(time_act).view(-1, NUM_MODULATIONS * self.hidden_size)
-        shift1, scale1, gate1, shift2, scale2, gate2 = (t.index_select(0, adaln_index) for t in table.chunk(6, -1))
-        x = x + gate1 * self.attn(self.norm1(x) * (1.0 + scale1) + shift1, rope)
-        return x + gate2 * self.mlp(self.norm2(x) * (1.0 + scale2) + shift2)
+    def modulation(self, time_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate (attention), shift, scale, gate (MLP): each `[3M, hidden]`, row `3m + tag`."""
+        return self.adaln_proj(time_act).view(-1, NUM_MODULATIONS * self.hidden_size).chunk(6, -1)
+
+    def forward(self, x, time_act, adaln_index, rope, chunks: RowChunks = FUSED):
+        modulation = self.modulation(time_act)
+        out = self.attention_residual(x, modulation, adaln_index, rope, chunks)
+        return self.mlp_residual_(out, modulation, adaln_index, chunks)
+
+    def attention_residual(self, x, modulation, adaln_index, rope, chunks: RowChunks = FUSED) -> torch.Tensor:
+        """`x + gate1 * attn(norm1(x) * (1 + scale1) + shift1)` as a new tensor; `x` is left untouched."""
+        shift, scale, gate = modulation[:3]
+        rows = x.shape[1]
+        out = keys = values = None
+        # Pass 1: keys and values of every row. The modulated input is kept in `out`: pass 2 needs it for the queries.
+        for start, end in chunks.ranges(rows):
+            index = adaln_index[start:end]
+            h = self.norm1(x[:, start:end]) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+            out = h.new_empty((x.shape[0], rows, h.shape[-1])) if out is None else out
+            out[:, start:end] = h
+            keys, values = self.attn.write_keys_values(h, rope_slice(rope, start, end), keys, values, start, rows)
+        # Pass 2: a chunk's modulated rows are read once, for its queries, then replaced by its residual output.
+        for start, end in chunks.query_ranges(rows):
+            queries = self.attn.project_queries(out[:, start:end], rope_slice(rope, start, end))
+            attended = self.attn.attend(queries, keys, values)
+            out[:, start:end] = x[:, start:end] + gate.index_select(0, adaln_index[start:end]) * attended
+        return out
+
+    def mlp_residual_(self, x, modulation, adaln_index, chunks: RowChunks = FUSED) -> torch.Tensor:
+        """`x + gate2 * mlp(norm2(x) * (1 + scale2) + shift2)`, written into `x` chunk by chunk (rows independent)."""
+        shift, scale, gate = modulation[3:]
+        for start, end in chunks.ranges(x.shape[1]):
+            index = adaln_index[start:end]
+            residual = x[:, start:end]
+            h = self.norm2(residual) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+            x[:, start:end] = residual + gate.index_select(0, index) * self.mlp(h)
+        return x
 
 
 class TimeEmbedder(nn.Module):
@@ -191,17 +287,40 @@ class FinalLayer(nn.Module):
         self.video_out = nn.Linear(c.hidden_size, c.video_patch_dim, bias=True)
         self.audio_out = nn.Linear(c.hidden_size, c.audio_in_channels, bias=True)
 
-    def modulate(self, x, time_act, timestep_indices):
+    def forward(self, x, time_act, timestep_indices, video_indices, audio_indices, chunks: RowChunks = FUSED):
+        """Packed rows -> (video velocity rows, audio velocity rows), batch first."""
         shift, scale = self.adaln_proj(time_act).chunk(2, dim=-1)
-        return self.norm(x) * (1.0 + scale.index_select(0, timestep_indices)) + shift.index_select(0, timestep_indices)
-
-    def heads(self, y, video_indices, audio_indices):
-        video = self.video_out(y.index_select(1, video_indices).to(self.video_out.weight.dtype))
-        audio = self.audio_out(y.index_select(1, audio_indices).to(self.audio_out.weight.dtype))
+        video = self.head_rows(self.video_out, x, shift, scale, timestep_indices, video_indices, chunks)
+        audio = self.head_rows(self.audio_out, x, shift, scale, timestep_indices, audio_indices, chunks)
         return video, audio
+
+    def head_rows(self, head: nn.Linear, x, shift, scale, timestep_indices, row_indices, chunks: RowChunks = FUSED):
+        """The modulated output norm and `head` on the packed rows `row_indices`, chunk by chunk."""
+        count = row_indices.numel()
+        out = None
+        for start, end in chunks.ranges(count):
+            rows = row_indices[start:end]
+            step = timestep_indices.index_select(0, rows)
+            y = self.norm(x.index_select(1, rows)) * (1.0 + scale.index_select(0, step)) + shift.index_select(0, step)
+            result = head(y.to(head.weight.dtype))
+            out = result.new_empty((x.shape[0], count, result.shape[-1])) if out is None else out
+            out[:, start:end] = result
+        return out
 
 
 # ---- the model ------------------------------------------------------------------------------------------------------
+
+
+def out_of_memory_error(exc: BaseException, rows: int, chunk_size: int | None) -> H3Error:
+    """The user-facing error for running out of device memory inside the blocks (streamed blocks are released by
+    the caller's `finally`)."""
+    chunk = f"chunk size {chunk_size}" if chunk_size else "the fused (unchunked) forward"
+    return H3Error(
+        f"out of device memory in the transformer with {rows} packed rows and {chunk} ({exc}). Every streamed block "
+        "was released. Use a smaller chunk size (chunk_size=256, or a memory_budget), layerwise residency, a smaller "
+        "size or fewer seconds."
+    )
+
 
 
 class H3DiT(nn.Module):
@@ -223,6 +342,24 @@ class H3DiT(nn.Module):
         # while the forward runs; load_dit(residency="layerwise") replaces both (see residency.py).
         self.block_residency = AllResident(c.num_layers)
         self.weight_phases = PhaseScopedWeights()
+        self.chunking = ChunkingPolicy()
+        # Called with the block index before each block: the place for a caller's interrupt check.
+        self.before_block: Callable[[int], None] | None = None
+
+    def close(self) -> None:
+        """Give streamed weights back to their host store (restoring the original parameters); the model is then
+        fully resident on the host store's device."""
+        self.block_residency.close()
+        self.weight_phases.close()
+
+    def configure_chunking(self, chunk_size: int | None = None, memory_budget: int | None = None,
+                           between_chunks=None) -> None:
+        """Row chunking of the blocks and output heads: `chunk_size` rows (None: from `memory_budget`, None: fused).
+
+        `between_chunks` (no arguments) runs after every chunk of a chunked loop: the backend's reclaim policy
+        (None keeps the current one; the default does nothing).
+        """
+        self.chunking = ChunkingPolicy(chunk_size, memory_budget, between_chunks or self.chunking.between_chunks)
 
     @property
     def residual_dtype(self) -> torch.dtype:
@@ -279,18 +416,23 @@ class H3DiT(nn.Module):
         x = x.index_copy(1, text_indices, text)
         x = x.index_copy(1, video_indices, video.to(x.dtype))
         x = x.index_copy(1, audio_indices, audio.to(x.dtype))
+        del text, video, audio  # now copied into x; alive through the blocks they would cost a full-length buffer
 
         time_act = self.embed_time(timestep)
         adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
+        chunks = self.chunking.plan(rows, self.config, batch=x.shape[0], dtype=x.dtype, device=x.device)
         residency = self.block_residency
         residency.begin_pass()
         try:
             for i, block in enumerate(self.blocks):
+                if self.before_block is not None:
+                    self.before_block(i)  # e.g. the caller's interrupt check, between blocks
                 residency.acquire(i)  # block i on the device (and the next `prefetch` on their way)
-                x = block(x, time_act, adaln_index, rope)
+                x = block(x, time_act, adaln_index, rope, chunks)
                 residency.release(i)
+        except torch.OutOfMemoryError as exc:
+            raise out_of_memory_error(exc, rows, chunks.size) from None
         finally:
             residency.end_pass()  # also after an exception in a block: the next forward starts clean
 
-        y = self.final_layer.modulate(x, time_act, timestep_indices)
-        return self.final_layer.heads(y, video_indices, audio_indices)
+        return self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from .admission import ComponentPlan, Platform, check_admission
+from .chunking import ChunkingPolicy
 from .config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
 from .dit import H3DiT, RotaryEmbedding3D
 from .errors import CheckpointError, PickleCheckpointError
@@ -411,7 +412,7 @@ def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
         owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-_OPTIONS: tuple[str, ...] = ()
+_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget")
 # With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
 PHASE_SCOPED = {"text": ("condition_proj.", "token_refiner.")}
 
@@ -439,6 +440,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
+    chunking = ChunkingPolicy(options.get("chunk_size"), options.get("memory_budget"))  # checked before any reading
     device = torch.device(device)
     mode = Residency.parse(residency)
     check_admission({"transformer": ComponentPlan(mode, str(device))}, Platform.for_device(device))
@@ -464,6 +466,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     if layerwise:
         _attach_layerwise(model, recipes, manager, device)
     model.eval()
+    model.chunking = chunking
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
     return model
