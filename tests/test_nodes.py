@@ -315,7 +315,7 @@ def test_offloaded_text_encoder_is_released_before_sampling_and_resident_one_kep
 
 def test_cancel_stops_within_one_transformer_block(pack, recorders):
     """Cancel pressed while block 0 of the first step computes: the next block never starts (without the per-block
-    check the whole step would finish first). The hooks come off and the next run is unaffected."""
+    check the whole step would finish first). The check comes off and the next run is unaffected."""
     import comfy.model_management as mm
 
     handle = load(pack)
@@ -325,12 +325,12 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
     counters = [block.register_forward_hook(lambda module, args, out, i=i: finished_blocks.append(i))
                 for i, block in enumerate(transformer.blocks)]
     press_cancel = transformer.blocks[0].register_forward_hook(lambda *a: mm.interrupt_current_processing(True))
-    hooks_before = [len(block._forward_pre_hooks) for block in transformer.blocks]
+    assert transformer.before_block is None
     with pytest.raises(mm.InterruptProcessingException):
         run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     assert finished_blocks == [0]
     assert recorders["progress"] == []  # not even one step finished
-    assert [len(block._forward_pre_hooks) for block in transformer.blocks] == hooks_before
+    assert transformer.before_block is None  # the check is detached however the run ended
     press_cancel.remove()
     finished_blocks.clear()
     latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
@@ -339,13 +339,6 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
         handle_.remove()
 
 
-def _has_row_chunking() -> bool:
-    from h3_core.dit import H3DiT
-
-    return hasattr(H3DiT, "configure_chunking")
-
-
-@pytest.mark.skipif(not _has_row_chunking(), reason="h3_core without row chunking (H3DiT.configure_chunking)")
 def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recorders):
     handle = load(pack, mps_reclaim_every=2)
     cond = encode(pack, handle)
@@ -361,6 +354,9 @@ def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recor
     assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
     # mps_reclaim_every=2 empties the cache every second row chunk, on top of the one call after the phase.
     assert recorders["mm"].soft_empty_cache_calls - empties > 1
+    # The loader's own chunking reaches load_dit.
+    budgeted = load(pack, chunk_size=32, memory_budget_mib=8).pipeline.component("transformer").chunking
+    assert (budgeted.chunk_size, budgeted.memory_budget) == (32, 8 << 20)
 
 
 def test_fl2va_keyframes_must_match_the_sampler_canvas(pack):
