@@ -20,9 +20,12 @@ import torch
 from .errors import CheckpointError, H3Error
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_to_rows, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
-from .sampler import Schedule, denoise, initial_noise, noise_condition, AUDIO_SHIFT, VIDEO_SHIFT
+from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
+                      non_finite_error)
 
 PARTITIONS = ("fl2va", "ref2va")
+# Prompt tokens accepted; the released model saw a few hundred. Far longer prompts only cost memory and time.
+MAX_PROMPT_TOKENS = 4096
 DEFAULT_TEXT_ENCODER_LAYER = 50
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
@@ -151,6 +154,11 @@ def _download(repo_id: str, partition: str, offline: bool | None, cache_dir) -> 
             path=repo_id,
         ) from None
     return Path(folder)
+
+
+def _safetensors_files(source: Path) -> list[Path]:
+    source = Path(source)
+    return [source] if source.is_file() else sorted(source.rglob("*.safetensors"))
 
 
 # ---- keyframes ---------------------------------------------------------------------------------------------------
@@ -309,9 +317,15 @@ class H3Pipeline:
         anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
         keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
         encoder = self.component("text_encoder")
+        tokens = len(encoder.tokenizer.tokenize(prompt))
+        if tokens > MAX_PROMPT_TOKENS:
+            raise H3Error(f"the prompt is {tokens} tokens ({len(prompt)} characters); at most {MAX_PROMPT_TOKENS} are "
+                          "accepted (H3 was trained on prompts of a few hundred tokens). Shorten it.")
         states, tags = encoder.encode(prompt, keyframes)
         if not self.keep_text_encoder:
             self.release("text_encoder")
+        if not torch.isfinite(states).all():
+            raise non_finite_error("the text encoder", _safetensors_files(self.sources.text_encoder), "its output")
         return Conditioning(states.detach(), tags.detach(), keyframes, anchors)
 
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
@@ -345,7 +359,11 @@ class H3Pipeline:
 
     def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
         frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
+        if not torch.isfinite(frames).all():
+            raise non_finite_error("the video VAE", _safetensors_files(self.sources.video_vae), "decoding")
         waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
+        if not torch.isfinite(waveform).all():
+            raise non_finite_error("the audio VAE", _safetensors_files(self.sources.audio_vae), "decoding")
         from .media import audio_samples_for_frames
 
         return frames, waveform[:, : audio_samples_for_frames(frames.shape[0])]

@@ -157,3 +157,19 @@ class SafetensorsFile:
         # Unaligned tensor (possible with a hand-written file): the only case that copies.
         raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (self.nbytes(key),))
         return raw.clone().view(dtype).reshape(shape)
+
+
+def first_non_finite(paths) -> tuple[Path, str] | None:
+    """The first (file, key) holding a NaN or Inf value, scanning each tensor once; None if all are finite.
+
+    Reading every page of a large checkpoint is slow, so this runs only after an output came out non-finite, to
+    name the culprit.
+    """
+    for path in paths:
+        file = SafetensorsFile(path)
+        for key in file.keys():
+            if not file.dtype(key).is_floating_point or file.nbytes(key) == 0:
+                continue
+            if not bool(torch.isfinite(file.tensor(key)).all()):
+                return file.path, key
+    return None

@@ -130,22 +130,45 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     """
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
+    previous_hook = getattr(model, "before_block", None)
+    if check_interrupt is not None and hasattr(model, "before_block"):
+        model.before_block = lambda index: check_interrupt()  # interruption honoured within one block
     text = text_states[None].to(device)
     video = video_rows.to(device, torch.float32).clone()
     audio = audio_rows.to(device, torch.float32).clone()
     nc = int(num_condition_video_rows)
     total = schedule.num_model_calls
-    with torch.no_grad():
-        for i in range(total):
-            if check_interrupt is not None:
-                check_interrupt()
-            t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
-            timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
-            v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
-                                     timestep_indices.to(device), **kwargs)
-            video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
-                                    schedule.video_sigmas[i + 1])
-            audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i], schedule.audio_sigmas[i + 1])
-            if progress is not None:
-                progress(i + 1, total)
+    try:
+        with torch.no_grad():
+            for i in range(total):
+                if check_interrupt is not None:
+                    check_interrupt()
+                t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
+                timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
+                v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
+                                         timestep_indices.to(device), **kwargs)
+                if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
+                    raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()), f"step {i + 1}")
+                video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
+                                        schedule.video_sigmas[i + 1])
+                audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
+                                   schedule.audio_sigmas[i + 1])
+                if progress is not None:
+                    progress(i + 1, total)
+    finally:
+        if hasattr(model, "before_block"):
+            model.before_block = previous_hook
     return DenoiseResult(video[nc:], audio)
+
+
+def non_finite_error(component: str, checkpoint_files, where: str) -> H3Error:
+    """An output came out NaN/Inf: name the checkpoint tensor responsible when there is one."""
+    from .safetensors_io import first_non_finite
+
+    culprit = first_non_finite(checkpoint_files)
+    if culprit is not None:
+        path, key = culprit
+        return H3Error(f"{path}: tensor '{key}' contains NaN or Inf values, so {component} produced NaN/Inf at "
+                       f"{where}. The file is corrupt; download it again.")
+    return H3Error(f"{component} produced NaN/Inf at {where} although its weights are finite: the numbers overflowed. "
+                   "Run in float32 or bfloat16 rather than float16, or check the inputs.")

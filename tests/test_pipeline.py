@@ -65,6 +65,10 @@ def test_one_second_follows_the_frame_grid_with_matching_audio(pipeline):
     assert float(result.waveform.abs().max()) > 0
 
 
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
 def run(pipeline, seed=3, **kw):
     args = dict(width=64, height=96, num_frames=5, steps=3, seed=seed)
     args.update(kw)
@@ -84,9 +88,11 @@ def test_layerwise_and_chunked_runs_give_the_same_frames(tiny, pipeline):
         pipe = H3Pipeline(resolve_model(tiny), component_options={"transformer": options})
         result = run(pipe)
         pipe.release_all()
-        if "chunk_size" in options:  # chunked attention sums in another order: equal to rounding
-            assert torch.allclose(result.frames, reference.frames, atol=1e-5, rtol=0), options
-            assert torch.allclose(result.waveform, reference.waveform, atol=1e-4, rtol=0), options
+        if "chunk_size" in options:
+            # Chunked attention sums in another order (the chunked MLP is bitwise): latents differ at 1e-7, which
+            # the random tiny audio decoder (saturating, high gain) amplifies about a hundredfold.
+            assert rel(result.frames, reference.frames) <= 1e-6, options
+            assert rel(result.waveform, reference.waveform) <= 1e-4, options
         else:
             assert torch.equal(result.frames, reference.frames), options
             assert torch.equal(result.waveform, reference.waveform), options
