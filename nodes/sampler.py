@@ -89,12 +89,12 @@ class H3StreamSampler(io.ComfyNode):
         unique_id = cls.hidden.unique_id
         with memory_report(unique_id, h3_model, "sampling") as report:
             comfy_runtime.check_interrupt()
-            # Loaded before the loop (the loop would load it first thing anyway) so the hooks below can be attached.
+            # Loaded before the loop (the loop would load it first thing anyway) so this run's chunking can be set.
             transformer = pipeline.component("transformer")
             report["transformer"] = transformer
             bar = comfy_runtime.progress_bar(max(1, steps - 1), node_id=unique_id)
-            with sampling_session(transformer, check_interrupt=comfy_runtime.check_interrupt, chunk_size=chunk_size,
-                                  reclaim=comfy_runtime.soft_empty_cache, reclaim_every=settings.mps_reclaim_every):
+            with sampling_session(transformer, chunk_size=chunk_size, reclaim=comfy_runtime.soft_empty_cache,
+                                  reclaim_every=settings.mps_reclaim_every):
                 latents = pipeline.sample(h3_cond.conditioning, shape, steps=steps, seed=seed,
                                           video_shift=video_shift, audio_shift=audio_shift,
                                           progress=lambda step, total: bar.update_absolute(step, total),
