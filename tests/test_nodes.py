@@ -24,7 +24,8 @@ CONTRACT = comfy_double.CONTRACT
 TINY = "tiny test model (embedded)"
 W, H = 96, 64
 LOADER = dict(source=TINY, partition="FL2VA", transformer_residency="LAYERWISE_OFFLOAD",
-              text_encoder_residency="LAYERWISE_OFFLOAD", video_vae_residency="RESIDENT", audio_vae_residency="RESIDENT",
+              text_encoder_residency="LAYERWISE_OFFLOAD", video_vae_residency="RESIDENT",
+              audio_vae_residency="RESIDENT",
               prefetch=-1, resident_blocks=0, chunk_size=0, memory_budget_mib=0, dtype="auto", device="cpu")
 # 5 frames (2 latent frames, 8 audio latents) keep the tiny model's decoders fast; the example workflows run 1 s.
 SAMPLER = dict(width=W, height=H, seconds=1.0, frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=3.0,
@@ -376,7 +377,8 @@ def test_sampler_and_text_encode_validation_messages(pack):
     sampler, encoder = pack["H3StreamSampler"], pack["H3StreamTextEncode"]
     assert sampler.validate_inputs(96, 64, 1.0, 0) is True
     assert sampler.validate_inputs(96, 64, 1.0, 39) is True
-    assert "17n + 5" in sampler.validate_inputs(96, 64, 1.0, 40) and "use 56" in sampler.validate_inputs(96, 64, 1.0, 40)
+    off_grid = sampler.validate_inputs(96, 64, 1.0, 40)
+    assert "17n + 5" in off_grid and "use 56" in off_grid
     assert "width must be a positive multiple of 32" in sampler.validate_inputs(100, 64, 1.0, 0)
     assert "seconds must be above 0" in sampler.validate_inputs(96, 64, 0.0, 0)
     assert sampler.validate_inputs(None, None, None, None) is True  # linked values are checked when it runs
