@@ -67,6 +67,8 @@ class ProgressBar:
         self.label, self.stream, self.started = label, stream, time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
+        if done == 0:  # sampling starts: time from here, not from the model loading before it
+            self.started = time.perf_counter()
         width = 30
         filled = int(width * done / max(total, 1))
         elapsed = time.perf_counter() - self.started

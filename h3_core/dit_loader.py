@@ -14,7 +14,6 @@ placed, and each problem raises one `CheckpointError` naming the file and key.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,29 +24,21 @@ import torch.nn as nn
 
 from .admission import ComponentPlan, Platform, check_admission
 from .chunking import ChunkingPolicy
+from .checkpoint import (WeightSpec, cat_rows, check_tensors, deinterleave_rows, expected_shapes, open_folder_files,
+                         read_json, set_tensor, swap_halves)
 from .config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
 from .dit import H3DiT, RotaryEmbedding3D
-from .errors import CheckpointError, PickleCheckpointError
+from .errors import CheckpointError
 from .host_store import HostTensor
 from .offload_backends import SynchronousBackend
 from .residency import LayerwiseOffloadManager, PhaseScopedWeights, Residency, layerwise_manager
-from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
+from .safetensors_io import SafetensorsFile, refuse_pickle
 
 COMFY_PREFIX = "model.diffusion_model."
 # Parameters kept float32 whatever dtype is requested: the released checkpoint's fp32 islands.
 FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
                 "final_layer.audio_out.", "rope.")
 LAYOUTS = ("diffusers", "native", "comfy")
-
-
-@dataclass
-class WeightSpec:
-    """How one model tensor is made from checkpoint tensors: `combine(*[file.tensor(k) for k in keys])`."""
-
-    name: str
-    keys: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    combine: Callable[..., torch.Tensor] | None = None
 
 
 @dataclass
@@ -70,22 +61,6 @@ class DiTCheckpoint:
 
 
 # ---- key plans ------------------------------------------------------------------------------------------------------
-
-
-def _deinterleave_qkv(heads: int, head_dim: int):
-    def combine(weight: torch.Tensor) -> torch.Tensor:
-        # Stored [head0: q k v, head1: q k v, ...]; the model wants [q_all; k_all; v_all].
-        return weight.reshape(heads, 3, head_dim, -1).transpose(0, 1).reshape(3 * heads * head_dim, -1)
-    return combine
-
-
-def _cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
-    return torch.cat(tensors, dim=0)
-
-
-def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
-    up, gate = weight.chunk(2, dim=0)
-    return torch.cat((gate, up), dim=0)
 
 
 def _diffusers_block_key(sub: str) -> str:
@@ -131,7 +106,7 @@ def _plan(layout: str, config: H3DiTConfig, prefix: str = "") -> list[WeightSpec
         if layout in ("native", "comfy"):
             combine = None
             if layout == "native" and name.endswith("attn.qkv_proj.weight"):
-                combine = _deinterleave_qkv(c.num_attention_heads, c.attention_head_dim)
+                combine = deinterleave_rows(c.num_attention_heads, c.attention_head_dim)
             specs.append(WeightSpec(name, (prefix + name,), (shape,), combine))
             continue
         # diffusers
@@ -142,9 +117,9 @@ def _plan(layout: str, config: H3DiTConfig, prefix: str = "") -> list[WeightSpec
             if sub == "attn.qkv_proj.weight":
                 part = (c.inner_dim, c.hidden_size)
                 specs.append(WeightSpec(name, tuple(base + f"attn.to_{x}.weight" for x in "qkv"), (part,) * 3,
-                                        _cat_rows))
+                                        cat_rows))
             elif sub == "mlp.fc1.weight":
-                specs.append(WeightSpec(name, (base + _diffusers_block_key(sub),), (shape,), _swap_halves))
+                specs.append(WeightSpec(name, (base + _diffusers_block_key(sub),), (shape,), swap_halves))
             else:
                 specs.append(WeightSpec(name, (base + _diffusers_block_key(sub),), (shape,)))
             continue
@@ -158,67 +133,6 @@ def _plan(layout: str, config: H3DiTConfig, prefix: str = "") -> list[WeightSpec
 
 
 # ---- reading a source -------------------------------------------------------------------------------------------------
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path}: cannot read JSON ({exc}).", path=path) from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object.", path=path)
-    return data
-
-
-def _open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
-    """Map every tensor key of `<stem>*.safetensors` in `folder` (through the index when there is one) to its file."""
-    index_path = folder / f"{stem}.safetensors.index.json"
-    files: dict[str, SafetensorsFile] = {}
-    if index_path.is_file():
-        weight_map = _read_json(index_path).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index_path}: no 'weight_map' object; the index is corrupt.", path=index_path)
-        opened: dict[str, SafetensorsFile] = {}
-        for key, shard in weight_map.items():
-            shard_path = folder / str(shard)
-            if Path(str(shard)).name != str(shard):
-                raise CheckpointError(f"{index_path}: shard name {shard!r} for key '{key}' must be a plain file name "
-                                      "inside the checkpoint folder.", path=index_path, key=key)
-            if shard not in opened:
-                if not shard_path.is_file():
-                    raise CheckpointError(
-                        f"{index_path}: names shard '{shard}' (for key '{key}'), which is missing from {folder}. "
-                        "Download the missing shard or the whole folder again.",
-                        path=shard_path,
-                        key=key,
-                    )
-                opened[shard] = SafetensorsFile(shard_path)
-            if key not in opened[shard]:
-                raise CheckpointError(
-                    f"{shard_path}: the index says it holds '{key}' but it does not; the shard or the index is from a "
-                    "different download.",
-                    path=shard_path,
-                    key=key,
-                )
-            files[key] = opened[shard]
-        return files
-    paths = sorted(folder.glob(f"{stem}*.safetensors"))
-    if not paths:
-        pickles = [p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES]
-        if pickles:
-            raise PickleCheckpointError(
-                f"{folder}: holds only pickle checkpoints ({', '.join(sorted(pickles)[:3])}); h3-stream reads "
-                "safetensors only. Download the safetensors release.",
-                path=folder,
-            )
-        raise CheckpointError(f"{folder}: no {stem}*.safetensors files.", path=folder)
-    for path in paths:
-        shard = SafetensorsFile(path)
-        for key in shard:
-            if key in files:
-                raise CheckpointError(f"{path}: key '{key}' also appears in {files[key].path}.", path=path, key=key)
-            files[key] = shard
-    return files
 
 
 def _not_a_transformer(path: Path, keys) -> CheckpointError:
@@ -299,7 +213,7 @@ def resolve_dit_checkpoint(source: str | os.PathLike) -> DiTCheckpoint:
             "a ComfyUI .safetensors file.",
             path=folder,
         )
-    raw = _read_json(config_path)
+    raw = read_json(config_path)
     class_name = raw.get("_class_name")
     if class_name == DIFFUSERS_CLASS_NAME:
         layout, stem = "diffusers", "diffusion_pytorch_model"
@@ -313,7 +227,7 @@ def resolve_dit_checkpoint(source: str | os.PathLike) -> DiTCheckpoint:
             key="_class_name",
         )
     config = H3DiTConfig.from_dict(raw, source=config_path)
-    files = _open_folder_files(folder, stem)
+    files = open_folder_files(folder, stem)
     return _check(DiTCheckpoint(folder, layout, config, files, _plan(layout, config)))
 
 
@@ -342,50 +256,17 @@ def _resolve_comfy(path: Path) -> DiTCheckpoint:
 
 def _check(ckpt: DiTCheckpoint) -> DiTCheckpoint:
     """Strict key, shape and dtype checks; one error naming the file and key."""
-    expected: dict[str, tuple[int, ...]] = {}
-    for spec in ckpt.specs:
-        expected.update(zip(spec.keys, spec.shapes))
+    expected = expected_shapes(ckpt.specs)
     present = set(ckpt.files)
     missing = [k for k in expected if k not in present]
     if missing and not any(k.startswith(("blocks.", "transformer_blocks.", COMFY_PREFIX + "blocks."))
                            for k in present):
         raise _not_a_transformer(ckpt.source, present)
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.source}: missing key '{missing[0]}'{more}, expected shape {list(expected[missing[0]])} for a "
-            f"{ckpt.config.num_layers}-block {ckpt.layout} H3 transformer. The checkpoint is incomplete or of another "
-            "model; download it again.",
-            path=ckpt.source,
-            key=missing[0],
-        )
     allowed_extra = {"rope.inv_freq", COMFY_PREFIX + "rope.inv_freq"} if ckpt.layout == "comfy" else set()
-    unexpected = sorted(present - set(expected) - allowed_extra)
-    if unexpected:
-        key = unexpected[0]
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.files[key].path}: unexpected key '{key}'{more} for a {ckpt.config.num_layers}-block {ckpt.layout} "
-            "H3 transformer; the file belongs to another model or its config.json does not match it.",
-            path=ckpt.files[key].path,
-            key=key,
-        )
-    for key, shape in expected.items():
-        file = ckpt.files[key]
-        if file.shape(key) != shape:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has shape {list(file.shape(key))}, expected {list(shape)} from the "
-                "model config; config.json and the weights do not match.",
-                path=file.path,
-                key=key,
-            )
-        if not file.dtype(key).is_floating_point:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has dtype {str(file.dtype(key)).replace('torch.', '')}; H3 weights must "
-                "be floating point (bf16, fp16 or fp32). Quantised integer variants are not supported.",
-                path=file.path,
-                key=key,
-            )
+    check_tensors(ckpt.source, ckpt.files, expected,
+                  f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer", ignore=allowed_extra.__contains__,
+                  dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants are "
+                             "not supported")
     return ckpt
 
 
@@ -401,15 +282,6 @@ def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> t
     if name == "rope.inv_freq" or (dtype is not None and _is_island(name)):
         return torch.float32
     return stored if dtype is None else dtype
-
-
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if leaf in owner._buffers:
-        owner._buffers[leaf] = tensor
-    else:
-        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
 _OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget")
@@ -456,10 +328,10 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
             sources = tuple(ckpt.files[k].tensor(k) for k in spec.keys)
             target = target_dtype(spec.name, sources[0].dtype, dtype)
             recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
-            _set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
+            set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
             continue
         weight = ckpt.weight(spec)
-        _set_tensor(model, spec.name, weight.to(device=device, dtype=target_dtype(spec.name, weight.dtype, dtype)))
+        set_tensor(model, spec.name, weight.to(device=device, dtype=target_dtype(spec.name, weight.dtype, dtype)))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)

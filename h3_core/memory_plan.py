@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import H3Error
-from .layout import AUDIO_CHANNELS, LatentShape, SPATIAL_COMPRESSION
+from .layout import AUDIO_CHANNELS, LatentShape
 
 GiB = 1 << 30
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .errors import CheckpointError, H3Error
-from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_to_rows, build_packed_layout, patchify,
+from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)

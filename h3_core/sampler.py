@@ -126,7 +126,8 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
     condition rows are never updated. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
-    step; `check_interrupt()` before each step may raise to stop.
+    step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
+    to stop.
     """
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
@@ -138,6 +139,8 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     audio = audio_rows.to(device, torch.float32).clone()
     nc = int(num_condition_video_rows)
     total = schedule.num_model_calls
+    if progress is not None:
+        progress(0, total)
     try:
         with torch.no_grad():
             for i in range(total):

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from .admission import ComponentPlan, Platform, check_admission
-from .dit_loader import _open_folder_files, _read_json
+from .checkpoint import check_tensors, open_folder_files, read_json
 from .errors import CheckpointError, H3Error
 from .host_store import HostTensor
 from .residency import Residency, attach_layerwise, layerwise_manager
@@ -182,7 +182,7 @@ def _config_from_option(config, path: Path) -> TextEncoderConfig:
             source = source / "config.json"
         if not source.is_file():
             raise CheckpointError(f"{source}: config= names no such file.", path=source)
-        config = _read_json(source)
+        config = read_json(source)
     if not isinstance(config, Mapping):
         raise H3Error(f"config= must be a config.json path, a dict or a TextEncoderConfig, got "
                       f"{type(config).__name__}.")
@@ -212,7 +212,7 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
         if not (folder / "config.json").is_file() and (folder / "text_encoder" / "config.json").is_file():
             folder = folder / "text_encoder"  # the root of the official repo or of a partition
         if (folder.parent / "model_index.json").is_file() and (folder.parent / "transformer").is_dir():
-            index = _read_json(folder.parent / "model_index.json")
+            index = read_json(folder.parent / "model_index.json")
             layout = "partition" if "_minimax_h3" in index else "official"
         config_path = folder / "config.json"
         if not config_path.is_file():
@@ -221,7 +221,7 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
                 "download (config.json + model*.safetensors) or a ComfyUI text_encoders .safetensors file.",
                 path=folder,
             )
-        raw_config = _read_json(config_path)
+        raw_config = read_json(config_path)
         architectures = raw_config.get("architectures") or []
         if HF_CLASS_NAME not in architectures and raw_config.get("model_type") != "qwen3_vl":
             raise CheckpointError(
@@ -231,7 +231,7 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
                 key="architectures",
             )
         path = folder
-        files = _open_folder_files(folder, "model")
+        files = open_folder_files(folder, "model")
 
     keys = set(files)
     language_prefix, vision_prefix = _find_prefixes(keys)
@@ -294,43 +294,11 @@ def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
         match = _LAYER_KEY.fullmatch(key[len(lp):]) if key.startswith(lp) else None
         return bool(match) and int(match.group(1)) >= layer and match.group(2) in layer_names
 
-    missing = [k for k in expected if k not in ckpt.files]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.source}: missing key '{missing[0]}'{more}, expected shape {list(expected[missing[0]])} for a "
-            f"{ckpt.layout} Qwen3-VL text encoder read up to layer {layer}. The checkpoint is incomplete or of another "
-            "model; download it again.",
-            path=ckpt.source,
-            key=missing[0],
-        )
-    unexpected = sorted(k for k in ckpt.files if k not in expected and not never_read(k))
-    if unexpected:
-        key = unexpected[0]
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.files[key].path}: unexpected key '{key}'{more} for a {ckpt.layout} Qwen3-VL text encoder; the "
-            "file belongs to another model or its config does not match it.",
-            path=ckpt.files[key].path,
-            key=key,
-        )
-    for key, shape in expected.items():
-        file = ckpt.files[key]
-        if file.shape(key) != shape:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has shape {list(file.shape(key))}, expected {list(shape)} from the "
-                "model config; the config and the weights do not match.",
-                path=file.path,
-                key=key,
-            )
-        dtype = file.dtype(key)
-        if not dtype.is_floating_point or dtype.itemsize < 2:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has dtype {str(dtype).replace('torch.', '')}; the text encoder must be "
-                "bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) variants are not supported.",
-                path=file.path,
-                key=key,
-            )
+    check_tensors(ckpt.source, ckpt.files, expected,
+                  f"a {ckpt.layout} Qwen3-VL text encoder read up to layer {layer}", ignore=never_read,
+                  dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
+                  dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) variants are "
+                             "not supported")
     return ckpt
 
 
@@ -372,7 +340,7 @@ def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, process
         candidates = [folder / name for folder in folders for name in PROCESSOR_FILES]
     for candidate in candidates:
         if candidate.is_file():
-            raw = _read_json(candidate)
+            raw = read_json(candidate)
             if isinstance(raw.get("image_processor"), Mapping):
                 raw = raw["image_processor"]  # processor_config.json nests each modality
             try:
@@ -386,7 +354,7 @@ def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, process
 # ---- building the module ---------------------------------------------------------------------------------------------
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")
     owner = model.get_submodule(owner_name)
     owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
@@ -464,9 +432,9 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
         if layerwise and _offloaded(name):
             # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
             recipes[name] = HostTensor((weight,), target, tuple(weight.shape))
-            _set_tensor(model, name, torch.empty(0, dtype=target, device=device))
+            set_tensor(model, name, torch.empty(0, dtype=target, device=device))
             continue
-        _set_tensor(model, name, weight.to(device=device, dtype=target))
+        set_tensor(model, name, weight.to(device=device, dtype=target))
     if layerwise:
         blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
         model.language_model.block_residency, model.weight_phases = attach_layerwise(

@@ -35,7 +35,8 @@ import torch.nn as nn
 from .admission import ComponentPlan, Platform, check_admission
 from .audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN, PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD,
                         WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig, fold_weight_norm)
-from .dit_loader import WeightSpec, _open_folder_files, _read_json, _set_tensor
+from .checkpoint import (WeightSpec, cat_rows, check_tensors, deinterleave_rows, expected_shapes, open_folder_files,
+                         read_json, set_tensor, swap_halves)
 from .errors import CheckpointError, H3Error
 from .host_store import HostTensor
 from .residency import LayerwiseOffloadManager, Residency, attach_layerwise, layerwise_manager
@@ -182,35 +183,9 @@ def _not_a(kind: str, path: Path, keys) -> CheckpointError:
 
 def _check(ckpt: VAECheckpoint, describe: str) -> VAECheckpoint:
     """Strict key, shape and dtype checks; one error naming the file and key."""
-    expected: dict[str, tuple[int, ...]] = {}
-    for spec in ckpt.specs:
-        expected.update(zip(spec.keys, spec.shapes))
-    present = set(ckpt.files)
-    missing = [k for k in expected if k not in present]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.source}: missing key '{missing[0]}'{more}, expected shape {list(expected[missing[0]])} for "
-            f"{describe}. The checkpoint is incomplete or of another model; download it again.",
-            path=ckpt.source, key=missing[0])
-    unexpected = sorted(present - set(expected) - ckpt.allowed_extra)
-    if unexpected:
-        key = unexpected[0]
-        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise CheckpointError(
-            f"{ckpt.files[key].path}: unexpected key '{key}'{more} for {describe}; the file belongs to another model "
-            "or its config does not match it.", path=ckpt.files[key].path, key=key)
-    for key, shape in expected.items():
-        file = ckpt.files[key]
-        if file.shape(key) != shape:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has shape {list(file.shape(key))}, expected {list(shape)} for "
-                f"{describe}; the config and the weights do not match.", path=file.path, key=key)
-        if not file.dtype(key).is_floating_point:
-            raise CheckpointError(
-                f"{file.path}: tensor '{key}' has dtype {str(file.dtype(key)).replace('torch.', '')}; VAE weights must "
-                "be floating point (fp32, fp16 or bf16). Quantised integer variants are not supported.",
-                path=file.path, key=key)
+    check_tensors(ckpt.source, ckpt.files, expected_shapes(ckpt.specs), describe, ignore=ckpt.allowed_extra.__contains__,
+                  dtype_rule="VAE weights must be floating point (fp32, fp16 or bf16). Quantised integer variants are "
+                             "not supported")
     return ckpt
 
 
@@ -253,23 +228,6 @@ def _stats_from_file(file: SafetensorsFile, prefix: str, channels: int, publishe
 # ---- video VAE -------------------------------------------------------------------------------------------------------
 
 
-def _deinterleave_rows(heads: int, head_dim: int):
-    def combine(tensor: torch.Tensor) -> torch.Tensor:
-        # Stored [head0: q k v, head1: q k v, ...] (weight rows or bias entries); the model wants [q_all; k_all; v_all].
-        rest = tensor.shape[1:]
-        return tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
-    return combine
-
-
-def _cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
-    return torch.cat(tensors, dim=0)
-
-
-def _swap_halves(tensor: torch.Tensor) -> torch.Tensor:
-    first, second = tensor.chunk(2, dim=0)
-    return torch.cat((second, first), dim=0)
-
-
 def _diffusers_video_key(name: str) -> str:
     """Our (native) parameter name -> the diffusers `AutoencoderKLMiniMaxH3` name (single-tensor cases)."""
     parts = name.split(".")
@@ -296,15 +254,15 @@ def _video_plan(layout: str, config: VideoVAEConfig, prefix: str = "") -> list[W
     inner = c.decoder_num_heads * c.decoder_head_dim
     for name, shape in _expected(VideoVAE, config).items():
         if layout in ("native", "comfy"):
-            combine = _deinterleave_rows(c.decoder_num_heads, c.decoder_head_dim) if ".attn.to_qkv." in name else None
+            combine = deinterleave_rows(c.decoder_num_heads, c.decoder_head_dim) if ".attn.to_qkv." in name else None
             specs.append(WeightSpec(name, (prefix + name,), (shape,), combine))
         elif ".attn.to_qkv." in name:
             base, kind = name.rsplit(".to_qkv.", 1)
             part = (inner,) + shape[1:]
-            specs.append(WeightSpec(name, tuple(f"{base}.to_{x}.{kind}" for x in "qkv"), (part,) * 3, _cat_rows))
+            specs.append(WeightSpec(name, tuple(f"{base}.to_{x}.{kind}" for x in "qkv"), (part,) * 3, cat_rows))
         elif ".ff.w1." in name:
             # diffusers stores the SwiGLU input rows [value; gate]; the model wants [gate; value].
-            specs.append(WeightSpec(name, (_diffusers_video_key(name),), (shape,), _swap_halves))
+            specs.append(WeightSpec(name, (_diffusers_video_key(name),), (shape,), swap_halves))
         else:
             specs.append(WeightSpec(name, (_diffusers_video_key(name),), (shape,)))
     return specs
@@ -458,10 +416,10 @@ def resolve_video_vae_checkpoint(source: str | os.PathLike) -> VAECheckpoint:
     if path.name == "source" and (path.parent / "config.json").is_file():
         path = path.parent
     folder = _find_video_folder(path)
-    raw = _read_json(folder / "config.json")
+    raw = read_json(folder / "config.json")
     if raw.get("_class_name") == VIDEO_DIFFUSERS_CLASS:
         config = _video_config_from_diffusers(raw, folder / "config.json")
-        files = _open_folder_files(folder, "diffusion_pytorch_model")
+        files = open_folder_files(folder, "diffusion_pytorch_model")
         ckpt = VAECheckpoint("video", folder, "diffusers", config, files, _video_plan("diffusers", config))
         return _check(ckpt, _video_describe(ckpt))
     source_name = raw.get("source_path", "source")
@@ -474,8 +432,8 @@ def resolve_video_vae_checkpoint(source: str | os.PathLike) -> VAECheckpoint:
             f"with a '{source_name}/config.json' beside it. Point at the vae/ (diffusers) or video_vae/ (native) "
             "folder.",
             path=folder / "config.json", key="_class_name")
-    source_raw = _read_json(source_folder / "config.json")
-    files = _open_folder_files(source_folder, "model")
+    source_raw = read_json(source_folder / "config.json")
+    files = open_folder_files(source_folder, "model")
     if not all(k in files for k in VIDEO_DETECT_KEYS):
         raise _not_a("video", source_folder, files.keys())
 
@@ -656,22 +614,22 @@ def resolve_audio_vae_checkpoint(source: str | os.PathLike) -> VAECheckpoint:
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: diffusers weights without config.json; download the folder again.",
                                   path=folder)
-        raw = _read_json(folder / "config.json")
+        raw = read_json(folder / "config.json")
         if raw.get("_class_name") != AUDIO_DIFFUSERS_CLASS:
             raise CheckpointError(f"{folder / 'config.json'}: _class_name is {raw.get('_class_name')!r}, not "
                                   f"'{AUDIO_DIFFUSERS_CLASS}'. Point at the audio_vae/ folder of an H3 download.",
                                   path=folder / "config.json", key="_class_name")
-        files = _open_folder_files(folder, "diffusion_pytorch_model")
+        files = open_folder_files(folder, "diffusion_pytorch_model")
         layout, config = "diffusers", _audio_config_from_diffusers(raw, folder / "config.json")
     else:
-        files = _open_folder_files(folder, "model")
+        files = open_folder_files(folder, "model")
         if AUDIO_DETECT_KEY not in files:
             raise _not_a("audio", folder, files.keys())
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: no config.json with the latent statistics (latents_mean / latents_std) "
                                   "beside model.safetensors; restore it from the release.", path=folder)
-        raw = _read_json(folder / "config.json")
-        metadata = _read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else {}
+        raw = read_json(folder / "config.json")
+        metadata = read_json(folder / "metadata.json") if (folder / "metadata.json").is_file() else {}
         base = _native_audio_base(metadata, folder / "metadata.json")
         if "num_attention_heads" in raw:
             base["num_attention_heads"] = _number(raw, "num_attention_heads", None, folder / "config.json")
@@ -758,9 +716,9 @@ def _populate(model: nn.Module, ckpt: VAECheckpoint, device: torch.device, manag
         recipe = HostTensor(sources, torch.float32, shapes[spec.name], spec.combine)
         if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
             recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
-            _set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
+            set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
             continue
-        _set_tensor(model, spec.name, recipe.host_value().to(device))
+        set_tensor(model, spec.name, recipe.host_value().to(device))
     if manager is not None:
         manager, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks, phases=phases,
                                                         device=device)

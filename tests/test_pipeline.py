@@ -164,7 +164,7 @@ def test_sampling_loop_matches_the_reference_denoise_loop(tiny):
 def test_progress_and_interrupt(pipeline):
     seen = []
     run(pipeline, progress=lambda done, total: seen.append((done, total)), steps=4)
-    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert seen == [(0, 3), (1, 3), (2, 3), (3, 3)]
 
     class Stop(H3Error):
         pass
