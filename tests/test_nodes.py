@@ -259,8 +259,8 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
     # 8 latents x 800 samples decode 6400 per channel: shorter than 5 frames' 6667, so nothing is trimmed.
     assert audio["waveform"].shape == (1, 2, min(8 * 800, audio_samples_for_frames(5)))
 
-    # One ComfyUI progress update per transformer step (steps - 1 = 2), on the sampler's node.
-    assert recorders["progress"] == [("3", 1, 2), ("3", 2, 2)]
+    # The bar appears at 0 when sampling starts, then one update per transformer step (steps - 1 = 2).
+    assert recorders["progress"] == [("3", 0, 2), ("3", 1, 2), ("3", 2, 2)]
     # The memory badge: one message per H3 node, the sampler's with the block counts, and the same as progress text.
     badges = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
     assert [b["node"] for b in badges] == ["2", "3", "4", "5"]
@@ -330,7 +330,7 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
     with pytest.raises(mm.InterruptProcessingException):
         run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     assert finished_blocks == [0]
-    assert recorders["progress"] == []  # not even one step finished
+    assert recorders["progress"] == [("3", 0, 2)]  # sampling started, not one step finished
     assert transformer.before_block is None  # the check is detached however the run ended
     press_cancel.remove()
     finished_blocks.clear()
