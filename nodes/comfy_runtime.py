@@ -1,0 +1,76 @@
+"""Everything the nodes ask of the running ComfyUI: its device, its model management, progress bars, interruption
+and websocket messages. The only module of the pack that imports `comfy.*` or `server`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+import comfy.model_management as model_management
+import comfy.utils
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+MEMORY_EVENT = "h3_stream.memory"
+log = logging.getLogger("h3_stream")
+
+
+def torch_device(choice: str) -> torch.device:
+    """`auto` is the device ComfyUI itself computes on (so `--cpu` is honoured)."""
+    if choice == "auto":
+        return torch.device(model_management.get_torch_device())
+    return torch.device(choice)
+
+
+def files_bytes(path) -> int:
+    """Bytes of the safetensors files of one component (a single file or a folder)."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
+    return 0
+
+
+def free_memory_for(paths_by_component: dict, settings, device: torch.device) -> None:
+    """Ask ComfyUI to unload its own models until the resident components of the next phase fit.
+
+    Offloaded components keep their blocks in host memory, so only resident ones are counted."""
+    required = sum(files_bytes(path) for name, path in paths_by_component.items() if not settings.offloaded(name))
+    if required > 0:
+        model_management.free_memory(required, device)
+
+
+def soft_empty_cache() -> None:
+    """Between phases: give cached device blocks back (MPS and CUDA; a no-op in CPU mode)."""
+    model_management.soft_empty_cache()
+
+
+def unload_comfy_models() -> None:
+    model_management.unload_all_models()
+
+
+def check_interrupt() -> None:
+    """Raises ComfyUI's InterruptProcessingException when the user pressed Cancel."""
+    model_management.throw_exception_if_processing_interrupted()
+
+
+def progress_bar(total: int, node_id=None):
+    return comfy.utils.ProgressBar(total, node_id=node_id)
+
+
+def send_memory_report(node_id, report: dict, summary: str) -> None:
+    """Feed the web extension's memory badge (`MEMORY_EVENT`) and the node's progress text. Headless runs have no
+    listener; the summary is logged either way."""
+    log.info("h3-stream node %s: %s", node_id, summary)
+    try:
+        from server import PromptServer
+    except ImportError:  # not inside a ComfyUI server
+        return
+    instance = getattr(PromptServer, "instance", None)
+    if instance is not None:
+        instance.send_sync(MEMORY_EVENT, {"node": str(node_id), **report})
+        if node_id is not None:
+            instance.send_progress_text(summary, node_id)

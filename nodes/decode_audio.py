@@ -1,0 +1,39 @@
+"""H3StreamDecodeAudio: audio latents -> ComfyUI AUDIO, 32 kHz stereo, trimmed to the video's length."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import comfy_runtime
+from .node_report import memory_report
+from .sockets import H3Latent, H3Model
+
+
+class H3StreamDecodeAudio(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamDecodeAudio",
+            display_name="H3 Decode Audio",
+            category="H3 Stream",
+            description="Decodes the audio latents into a 32 kHz stereo AUDIO as long as the video "
+                        "({'waveform': [1, 2, T], 'sample_rate': 32000}).",
+            inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],
+            outputs=[io.Audio.Output(display_name="audio")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
+        from h3_core.layout import AUDIO_SAMPLE_RATE
+        from h3_core.media import audio_samples_for_frames
+
+        pipeline = h3_model.pipeline
+        comfy_runtime.free_memory_for({"audio_vae": pipeline.sources.audio_vae}, h3_model.settings, pipeline.device)
+        with memory_report(cls.hidden.unique_id, h3_model, "audio decode"):
+            comfy_runtime.check_interrupt()
+            vae = pipeline.component("audio_vae")
+            waveform = vae.decode(h3_latent.audio.to(pipeline.device))[0]
+        comfy_runtime.soft_empty_cache()
+        waveform = waveform[:, : audio_samples_for_frames(h3_latent.shape.num_frames)].float().cpu().contiguous()
+        return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

@@ -1,0 +1,37 @@
+"""H3StreamDecodeVideo: video latents -> ComfyUI IMAGE frames at 24 fps (feeds core CreateVideo)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import comfy_runtime
+from .node_report import memory_report
+from .sockets import H3Latent, H3Model
+
+
+class H3StreamDecodeVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamDecodeVideo",
+            display_name="H3 Decode Video",
+            category="H3 Stream",
+            description="Decodes the video latents one 17-frame clip at a time into IMAGE frames [F, H, W, 3] in "
+                        "[0, 1], plus the frame rate for Create Video.",
+            inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],
+            outputs=[io.Image.Output(display_name="images"), io.Float.Output(display_name="fps")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
+        from h3_core.layout import FPS
+
+        pipeline = h3_model.pipeline
+        comfy_runtime.free_memory_for({"video_vae": pipeline.sources.video_vae}, h3_model.settings, pipeline.device)
+        with memory_report(cls.hidden.unique_id, h3_model, "video decode"):
+            comfy_runtime.check_interrupt()
+            vae = pipeline.component("video_vae")
+            frames = vae.decode(h3_latent.video.to(pipeline.device))[0]
+        comfy_runtime.soft_empty_cache()
+        return io.NodeOutput(frames.float().cpu().contiguous(), float(FPS))

@@ -1,0 +1,44 @@
+"""H3StreamMemoryReport: the memory figures of this process as text (for API users, who have no badge)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from .memory_probe import DevicePeak, host_peak_bytes
+from .sockets import H3Model
+
+GIB = 1 << 30
+
+
+def _gib(value) -> str:
+    return "n/a" if value is None else f"{value / GIB:.2f} GiB"
+
+
+class H3StreamMemoryReport(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamMemoryReport",
+            display_name="H3 Memory Report",
+            category="H3 Stream",
+            description="Reports the model's memory settings, the device memory in use now (CUDA: allocated; MPS: "
+                        "held by the Metal driver) and the process's peak host memory (RSS).",
+            inputs=[H3Model.Input("h3_model"),
+                    io.AnyType.Input("after", optional=True, tooltip="Any output that must exist before reporting.")],
+            outputs=[io.String.Output(display_name="report")],
+            is_output_node=True,
+            not_idempotent=True,
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return float("nan")  # never equal to the last run's: runs every time it is queued
+
+    @classmethod
+    def execute(cls, h3_model, after=None) -> io.NodeOutput:
+        device = h3_model.pipeline.device
+        lines = [h3_model.description,
+                 f"device {device}: {_gib(DevicePeak(device).bytes())} now",
+                 f"host: process peak {_gib(host_peak_bytes())}"]
+        text = "\n".join(lines)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))

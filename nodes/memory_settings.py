@@ -1,0 +1,101 @@
+"""The loader's memory settings, and what they mean for h3_core: loader keyword arguments per component and the plan
+the platform's admission rules judge.
+
+Pure Python (no ComfyUI import), so the mapping is testable on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+COMPONENTS = ("transformer", "text_encoder", "video_vae", "audio_vae")
+RESIDENT = "RESIDENT"
+LAYERWISE_OFFLOAD = "LAYERWISE_OFFLOAD"
+RESIDENCIES = (RESIDENT, LAYERWISE_OFFLOAD)
+# h3_core spells the residencies in lower case (`h3_core.residency.Residency` values).
+_CORE_RESIDENCY = {RESIDENT: "resident", LAYERWISE_OFFLOAD: "layerwise"}
+DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    """How the four components are placed and how the transformer bounds its activations.
+
+    `prefetch` -1 and `chunk_size` / `memory_budget_mib` 0 mean "h3_core's default" (prefetch: 1 on CUDA, 0 elsewhere;
+    chunking: fused unless a budget is set; no budget). `mps_reclaim_every` (0 = never) empties the device cache every
+    that many row chunks; it only helps where freed memory is not reused by the allocator (Apple MPS).
+    """
+
+    residency: tuple[tuple[str, str], ...]  # (component, RESIDENT | LAYERWISE_OFFLOAD) for the four components
+    prefetch: int = -1
+    resident_blocks: int = 0
+    chunk_size: int = 0
+    memory_budget_mib: int = 0
+    dtype: str = "auto"
+    device: str = "cpu"
+    mps_reclaim_every: int = 0
+
+    @classmethod
+    def build(cls, *, transformer: str, text_encoder: str, video_vae: str, audio_vae: str,
+              **values) -> "MemorySettings":
+        residency = (("transformer", transformer), ("text_encoder", text_encoder), ("video_vae", video_vae),
+                     ("audio_vae", audio_vae))
+        return cls(residency=residency, **values)
+
+    def residency_of(self, component: str) -> str:
+        return dict(self.residency)[component]
+
+    def offloaded(self, component: str) -> bool:
+        return self.residency_of(component) == LAYERWISE_OFFLOAD
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        return DTYPES[self.dtype]
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return self.memory_budget_mib * MIB if self.memory_budget_mib > 0 else None
+
+    @property
+    def keep_text_encoder(self) -> bool:
+        """An offloaded text encoder is released right after encoding, before the transformer loads."""
+        return not self.offloaded("text_encoder")
+
+    def component_options(self) -> dict[str, dict]:
+        """Keyword arguments of each component's h3_core loader. Only settings that differ from the loaders' defaults
+        are passed (every loader is resident by default). `prefetch` applies to every offloaded component;
+        `resident_blocks` counts transformer blocks (about 1.2 GiB each in bf16) and chunking is the transformer's."""
+        options: dict[str, dict] = {name: {} for name in COMPONENTS}
+        for name in COMPONENTS:
+            if self.offloaded(name):
+                options[name]["residency"] = _CORE_RESIDENCY[LAYERWISE_OFFLOAD]
+                if self.prefetch >= 0:
+                    options[name]["prefetch"] = self.prefetch
+        transformer = options["transformer"]
+        if self.offloaded("transformer") and self.resident_blocks > 0:
+            transformer["resident_blocks"] = self.resident_blocks
+        if self.chunk_size > 0:
+            transformer["chunk_size"] = self.chunk_size
+        if self.memory_budget_bytes is not None:
+            transformer["memory_budget"] = self.memory_budget_bytes
+        return {name: value for name, value in options.items() if value}
+
+    def admission_plan(self) -> dict:
+        """The plan `h3_core.admission.check_admission` judges: every component's residency, on the one device."""
+        from h3_core.admission import ComponentPlan
+
+        return {name: ComponentPlan(_CORE_RESIDENCY.get(value, value), self.device) for name, value in self.residency}
+
+    def describe(self) -> str:
+        placed = ", ".join(f"{name} {value.lower()}" for name, value in self.residency)
+        extra = []
+        if self.offloaded("transformer"):
+            extra.append(f"prefetch {'auto' if self.prefetch < 0 else self.prefetch}")
+            extra.append(f"{self.resident_blocks} resident blocks")
+        extra.append(f"chunk {self.chunk_size or 'auto'}")
+        if self.memory_budget_mib:
+            extra.append(f"budget {self.memory_budget_mib} MiB")
+        return f"{self.device}, {self.dtype}: {placed}; {', '.join(extra)}"

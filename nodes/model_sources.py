@@ -1,0 +1,148 @@
+"""Where the loader finds an H3 model: the embedded tiny test model, a folder under `models/h3/`, the ComfyUI repack
+files in the standard model folders, or a Hugging Face repo id.
+
+ComfyUI's `folder_paths` lists the choices; `h3_core.pipeline.resolve_model` understands the layouts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import folder_paths
+
+from h3_core.errors import CheckpointError, H3Error
+
+TINY = "tiny test model (embedded)"
+H3_FOLDER = "models/h3 folder"
+COMFY_REPACK = "ComfyUI repack files"
+HUGGING_FACE = "Hugging Face repo"
+SOURCES = (TINY, H3_FOLDER, COMFY_REPACK, HUGGING_FACE)
+PARTITIONS = {"FL2VA": "fl2va", "Ref2VA": "ref2va"}
+H3_FOLDER_KEY = "h3"
+# The first option of every file / folder combo and its default, so that a workflow saved on one machine validates on
+# any other (a combo value must be one of the options); it stands for "not chosen".
+NONE = "(none)"
+DEFAULT_REPO_ID = "MiniMaxAI/MiniMax-H3"
+
+
+def register_h3_folder() -> None:
+    """Register `models/h3/` (official or release layouts, one folder per model) with ComfyUI's model folders."""
+    os.makedirs(os.path.join(folder_paths.models_dir, H3_FOLDER_KEY), exist_ok=True)
+    folder_paths.add_model_folder_path(H3_FOLDER_KEY, os.path.join(folder_paths.models_dir, H3_FOLDER_KEY))
+
+
+def h3_folder_choices() -> list[str]:
+    """Sub-folders of every registered `h3` model path (users may add more through extra_model_paths.yaml)."""
+    names = set()
+    try:
+        roots = folder_paths.get_folder_paths(H3_FOLDER_KEY)
+    except KeyError:
+        roots = []
+    for root in roots:
+        if os.path.isdir(root):
+            names.update(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
+    return [NONE] + sorted(names)
+
+
+def file_choices(key: str, prefix: str) -> list[str]:
+    """Files of one standard model folder, the H3 ones (by the repack's naming) first."""
+    files = [name for name in folder_paths.get_filename_list(key) if name.endswith((".safetensors", ".sft"))]
+    h3 = sorted(name for name in files if os.path.basename(name).startswith(prefix))
+    return [NONE] + h3 + sorted(set(files) - set(h3))
+
+
+def diffusion_model_choices() -> list[str]:
+    return file_choices("diffusion_models", "minimax_h3")
+
+
+def text_encoder_choices() -> list[str]:
+    return file_choices("text_encoders", "qwen3vl")
+
+
+def video_vae_choices() -> list[str]:
+    return file_choices("vae", "minimax_h3_video_vae")
+
+
+def audio_vae_choices() -> list[str]:
+    return file_choices("vae", "minimax_h3_audio_vae")
+
+
+def _chosen(value: str, what: str, widget: str) -> str:
+    if not value or value == NONE:
+        raise H3Error(f"{what}: no file chosen in '{widget}'. Put the file in ComfyUI's models folder, refresh, and "
+                      f"pick it.")
+    return value
+
+
+def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffusion_model: str = NONE,
+                    text_encoder: str = NONE, video_vae: str = NONE, audio_vae: str = NONE,
+                    repo_id: str = DEFAULT_REPO_ID):
+    """The `h3_core.pipeline.ModelSources` of the loader's choice (a Hugging Face repo is fetched here)."""
+    from h3_core.pipeline import ModelSources, resolve_model
+
+    if partition not in PARTITIONS:
+        raise H3Error(f"partition {partition!r} is not one of {list(PARTITIONS)}.")
+    core_partition = PARTITIONS[partition]
+    if source == TINY:
+        from h3_core.tiny_default import ensure_tiny_model
+
+        return resolve_model(ensure_tiny_model(), partition=core_partition)
+    if source == H3_FOLDER:
+        name = h3_folder
+        if not name or name == NONE:
+            raise H3Error(f"h3_folder: no model folder chosen. Put an H3 download (official or release layout) in "
+                          f"{os.path.join(folder_paths.models_dir, H3_FOLDER_KEY)}/<name>/, refresh, and pick it.")
+        for root in folder_paths.get_folder_paths(H3_FOLDER_KEY):
+            candidate = Path(root) / name
+            if candidate.is_dir():
+                return resolve_model(candidate, partition=core_partition)
+        raise CheckpointError(f"h3_folder: {name!r} is in none of the h3 model folders "
+                              f"{folder_paths.get_folder_paths(H3_FOLDER_KEY)}; refresh the node.", path=name)
+    if source == COMFY_REPACK:
+        def full_path(key: str, value: str, what: str, widget: str) -> Path:
+            found = folder_paths.get_full_path(key, _chosen(value, what, widget))
+            if found is None:
+                raise CheckpointError(f"{widget}: {value!r} is not in ComfyUI's '{key}' folders "
+                                      f"{folder_paths.get_folder_paths(key)}; refresh the node and pick a file that "
+                                      "exists.", path=value)
+            return Path(found)
+
+        transformer = full_path("diffusion_models", diffusion_model, "transformer", "diffusion_model")
+        return ModelSources(
+            transformer=transformer,
+            text_encoder=full_path("text_encoders", text_encoder, "text encoder", "text_encoder"),
+            video_vae=full_path("vae", video_vae, "video VAE", "video_vae"),
+            audio_vae=full_path("vae", audio_vae, "audio VAE", "audio_vae"),
+            root=transformer.parent,
+        )
+    if source == HUGGING_FACE:
+        repo = (repo_id or "").strip()
+        if not repo:
+            raise H3Error("repo_id is empty; give a Hugging Face repo id such as 'MiniMaxAI/MiniMax-H3'.")
+        return resolve_model(repo, partition=core_partition)
+    raise H3Error(f"source {source!r} is not one of {list(SOURCES)}.")
+
+
+def fingerprint(source: str, *, h3_folder: str = NONE, diffusion_model: str = NONE, text_encoder: str = NONE,
+                video_vae: str = NONE, audio_vae: str = NONE) -> tuple:
+    """Size and mtime of the chosen files or folder: a changed file on disk reloads the model."""
+    paths = []
+    if source == H3_FOLDER and h3_folder != NONE:
+        paths = [Path(root) / h3_folder for root in folder_paths.get_folder_paths(H3_FOLDER_KEY)]
+    elif source == COMFY_REPACK:
+        for key, name in (("diffusion_models", diffusion_model), ("text_encoders", text_encoder), ("vae", video_vae),
+                          ("vae", audio_vae)):
+            full = folder_paths.get_full_path(key, name) if name and name != NONE else None
+            paths.append(Path(full) if full else None)
+    stamps = []
+    for path in paths:
+        if path is None or not path.exists():
+            stamps.append(None)
+        elif path.is_file():
+            stat = path.stat()
+            stamps.append((str(path), stat.st_size, stat.st_mtime_ns))
+        else:
+            stamps.append((str(path), tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns)
+                                                   for p in path.rglob("*.safetensors")))))
+    return tuple(stamps)

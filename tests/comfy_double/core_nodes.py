@@ -1,0 +1,104 @@
+"""Stand-ins for the core ComfyUI nodes the example workflows use, with their real input names, types and defaults
+(contract/object_info.json). They check what they receive the way the real nodes need it and record it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch
+from comfy_api.latest import io
+
+SAVED: list[dict] = []  # what SaveVideo / SaveAudio received, in order
+
+
+@dataclass
+class VideoComponents:
+    images: torch.Tensor
+    audio: dict | None
+    frame_rate: Fraction
+
+
+def check_image(images) -> None:
+    assert isinstance(images, torch.Tensor) and images.ndim == 4 and images.shape[-1] == 3, getattr(images, "shape",
+                                                                                                     images)
+    assert images.dtype == torch.float32 and images.device.type == "cpu"
+    assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0
+
+
+def check_audio(audio) -> None:
+    assert isinstance(audio, dict) and set(audio) >= {"waveform", "sample_rate"}, audio
+    waveform = audio["waveform"]
+    assert isinstance(waveform, torch.Tensor) and waveform.ndim == 3, getattr(waveform, "shape", waveform)
+    assert isinstance(audio["sample_rate"], int)
+
+
+class EmptyImage(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="EmptyImage", display_name="Empty Image", category="image", inputs=[
+            io.Int.Input("width", default=512, min=1, max=16384, step=1),
+            io.Int.Input("height", default=512, min=1, max=16384, step=1),
+            io.Int.Input("batch_size", default=1, min=1, max=4096),
+            io.Int.Input("color", default=0, min=0, max=0xFFFFFF, step=1),
+        ], outputs=[io.Image.Output()])
+
+    @classmethod
+    def execute(cls, width, height, batch_size=1, color=0):
+        rgb = torch.tensor([(color >> 16) & 0xFF, (color >> 8) & 0xFF, color & 0xFF], dtype=torch.float32) / 255.0
+        return io.NodeOutput(rgb.expand(batch_size, height, width, 3).clone())
+
+
+class CreateVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="CreateVideo", display_name="Create Video", category="video", inputs=[
+            io.Image.Input("images"),
+            io.Float.Input("fps", default=30.0, min=1.0, max=120.0, step=1.0),
+            io.Audio.Input("audio", optional=True),
+            io.Int.Input("bit_depth", min=8, max=10, default=8, step=2, optional=True),
+        ], outputs=[io.Video.Output()])
+
+    @classmethod
+    def execute(cls, images, fps, audio=None, bit_depth=8):
+        check_image(images)
+        if audio is not None:
+            check_audio(audio)
+        return io.NodeOutput(VideoComponents(images, audio, Fraction(fps)))
+
+
+class SaveVideo(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        # Core's `codec` is a dynamic combo; its plain values ("auto", "h264") are all the workflows use.
+        return io.Schema(node_id="SaveVideo", display_name="Save Video", category="video", inputs=[
+            io.Video.Input("video"),
+            io.String.Input("filename_prefix", default="video/ComfyUI"),
+            io.Combo.Input("format", options=["auto", "mp4"], default="auto"),
+            io.Combo.Input("codec", options=["auto", "h264"]),
+        ], hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True)
+
+    @classmethod
+    def execute(cls, video, filename_prefix, format, codec):
+        assert isinstance(video, VideoComponents)
+        SAVED.append({"node": "SaveVideo", "prefix": filename_prefix, "images": video.images, "audio": video.audio,
+                      "frame_rate": video.frame_rate})
+        return io.NodeOutput(ui={"images": [{"filename": f"{filename_prefix}_00001_.mp4"}], "animated": (True,)})
+
+
+class SaveAudio(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="SaveAudio", display_name="Save Audio (FLAC) (DEPRECATED)", category="audio",
+                         inputs=[io.Audio.Input("audio"), io.String.Input("filename_prefix", default="audio/ComfyUI")],
+                         hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True, is_deprecated=True,
+                         outputs=[io.Audio.Output("audio")])
+
+    @classmethod
+    def execute(cls, audio, filename_prefix="ComfyUI"):
+        check_audio(audio)
+        SAVED.append({"node": "SaveAudio", "prefix": filename_prefix, "audio": audio})
+        return io.NodeOutput(audio, ui={"audio": [{"filename": f"{filename_prefix}_00001_.flac"}]})
+
+
+CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio)}

@@ -1,0 +1,1 @@
+"""Test double of ComfyUI's `comfy` package (`model_management` and `utils` only)."""

@@ -1,0 +1,435 @@
+"""The ComfyUI nodes against the comfy test double (tests/comfy_double) and the embedded tiny H3 model.
+
+The double is held to the real ComfyUI by recorded contracts (signatures and `/object_info`, from ComfyUI 0.33.0);
+the nodes run the real h3_core pipeline on the tiny random-weight model.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import tomllib
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+
+import comfy_double
+from comfy_double.record_contract import describe, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = comfy_double.CONTRACT
+TINY = "tiny test model (embedded)"
+W, H = 96, 64
+LOADER = dict(source=TINY, partition="FL2VA", transformer_residency="LAYERWISE_OFFLOAD",
+              text_encoder_residency="LAYERWISE_OFFLOAD", video_vae_residency="RESIDENT",
+              audio_vae_residency="RESIDENT",
+              prefetch=-1, resident_blocks=0, chunk_size=0, memory_budget_mib=0, dtype="auto", device="cpu")
+# 5 frames (2 latent frames, 8 audio latents) keep the tiny model's decoders fast; the example workflows run 1 s.
+SAMPLER = dict(width=W, height=H, seconds=1.0, frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=3.0,
+               chunk_size=0)
+# Options of these combos are the files on the machine that recorded the contract.
+MACHINE_DEPENDENT_OPTIONS = {"h3_folder", "diffusion_model", "text_encoder", "video_vae", "audio_vae"}
+
+
+@pytest.fixture
+def pack(tmp_path):
+    """The pack loaded the way ComfyUI loads it, with fresh recorders and ComfyUI folders under tmp_path."""
+    comfy_double.install(tmp_path / "comfyui")
+    return comfy_double.load_pack()
+
+
+@pytest.fixture
+def recorders(pack):
+    import comfy.model_management
+    import comfy.utils
+    import server
+
+    return {"mm": comfy.model_management.state, "progress": comfy.utils.UPDATES,
+            "messages": server.PromptServer.instance.messages}
+
+
+def run(node_class, node_id="1", **inputs):
+    from comfy_double.executor import run_node
+
+    return run_node(node_class, node_id, **inputs)
+
+
+def load(pack, **changes):
+    return run(pack["H3StreamLoader"], "1", **{**LOADER, **changes})[0]
+
+
+def encode(pack, handle, prompt="A fox in the snow.", **extra):
+    return run(pack["H3StreamTextEncode"], "2", h3_model=handle, prompt=prompt, width=W, height=H, **extra)[0]
+
+
+# ---- the double is faithful to ComfyUI ---------------------------------------------------------------------------
+
+
+def test_double_shares_the_recorded_comfyui_signatures(pack):
+    recorded = json.loads((CONTRACT / "signatures.json").read_text())
+    for name, parameters in recorded["callables"].items():
+        module, dotted = name.split(":")
+        assert describe(resolve(module, dotted)) == parameters, name
+    values = recorded["values"]
+    import comfy.model_management
+    import folder_paths
+    from comfy_api.latest import io
+
+    assert [c.__name__ for c in comfy.model_management.InterruptProcessingException.__mro__] == \
+        values["comfy.model_management:InterruptProcessingException"]
+    assert {m.name: m.value for m in io.Hidden} == values["comfy_api.latest._io:Hidden"]
+    assert type(folder_paths.models_dir).__name__ == values["folder_paths:models_dir"]
+
+
+def test_schemas_serialise_as_the_real_server_lists_them(pack):
+    """Every node's schema builds, and the double reads it exactly as ComfyUI's /object_info does (recorded from a
+    real server with the pack installed): input types, options, defaults, order, outputs."""
+    from comfy_api.latest._io import node_info
+
+    recorded = json.loads((CONTRACT / "object_info.json").read_text())
+    assert sorted(pack) == sorted(k for k in recorded if k.startswith("H3Stream"))
+    for node_id, node_class in pack.items():
+        ours, real = node_info(node_class), recorded[node_id]
+        for group in ("required", "optional"):
+            for name in MACHINE_DEPENDENT_OPTIONS & set(ours["input"].get(group, {})):
+                assert ours["input"][group][name][1].pop("options")[0] == "(none)"
+                assert real["input"][group][name][1].pop("options")[0] == "(none)"
+        for key in ours:
+            assert ours[key] == real[key], f"{node_id}.{key}: re-record with tests/comfy_double/record_contract.py"
+
+
+def test_node_ids_and_inputs_are_append_only(pack):
+    """Saved workflows address inputs by position: a recorded input may never move, vanish or change kind."""
+    from comfy_api.latest._io import node_info
+
+    recorded = json.loads((CONTRACT / "object_info.json").read_text())
+    for node_id, real in recorded.items():
+        if not node_id.startswith("H3Stream"):
+            continue
+        assert node_id in pack, f"node id {node_id} was renamed or removed"
+        ours = node_info(pack[node_id])
+        for group, names in real["input_order"].items():
+            assert ours["input_order"][group][:len(names)] == names, (node_id, group)
+        assert ours["output"][:len(real["output"])] == real["output"], node_id
+
+
+def test_entry_point_is_v3_only_and_ships_its_web_folder(pack):
+    import sys
+
+    module = sys.modules[comfy_double.PACK_MODULE]
+    assert not hasattr(module, "NODE_CLASS_MAPPINGS")  # it would make ComfyUI ignore comfy_entrypoint
+    assert (ROOT / module.WEB_DIRECTORY / "h3_stream.js").is_file()
+    # h3_core becomes importable by its own name without shadowing ComfyUI's top-level `nodes` module.
+    assert sys.path.index(str(ROOT)) > sys.path.index(str(comfy_double.MODULES))
+
+
+# ---- loader --------------------------------------------------------------------------------------------------------
+
+
+def test_memory_settings_become_h3_core_loader_options(pack):
+    MemorySettings = comfy_double.pack_module("nodes.memory_settings").MemorySettings
+    offloaded = MemorySettings.build(transformer="LAYERWISE_OFFLOAD", text_encoder="LAYERWISE_OFFLOAD",
+                                     video_vae="RESIDENT", audio_vae="LAYERWISE_OFFLOAD", prefetch=2,
+                                     resident_blocks=3, chunk_size=512, memory_budget_mib=64, dtype="bfloat16")
+    assert offloaded.component_options() == {
+        "transformer": {"residency": "layerwise", "prefetch": 2, "resident_blocks": 3, "chunk_size": 512,
+                        "memory_budget": 64 << 20},
+        "text_encoder": {"residency": "layerwise", "prefetch": 2},
+        "audio_vae": {"residency": "layerwise", "prefetch": 2},
+    }
+    assert not offloaded.keep_text_encoder and offloaded.torch_dtype is torch.bfloat16
+    assert {name: plan.residency for name, plan in offloaded.admission_plan().items()} == {
+        "transformer": "layerwise", "text_encoder": "layerwise", "video_vae": "resident", "audio_vae": "layerwise"}
+    auto_prefetch = MemorySettings.build(transformer="LAYERWISE_OFFLOAD", text_encoder="RESIDENT",
+                                         video_vae="RESIDENT", audio_vae="RESIDENT")
+    assert auto_prefetch.component_options() == {"transformer": {"residency": "layerwise"}}  # h3_core's default
+    resident = MemorySettings.build(transformer="RESIDENT", text_encoder="RESIDENT", video_vae="RESIDENT",
+                                    audio_vae="RESIDENT", prefetch=2, resident_blocks=3)
+    assert resident.component_options() == {} and resident.keep_text_encoder  # loaders' defaults: nothing passed
+
+
+def test_loader_refuses_resident_components_on_mps_before_anything_runs(pack):
+    from h3_core.admission import AdmissionError
+
+    loader = pack["H3StreamLoader"]
+    verdict = loader.validate_inputs("LAYERWISE_OFFLOAD", "RESIDENT", "RESIDENT", "LAYERWISE_OFFLOAD", "mps")
+    assert isinstance(verdict, str) and "MPS admission refused" in verdict
+    assert "text_encoder" in verdict and "video_vae" in verdict and "residency='layerwise'" in verdict
+    assert loader.validate_inputs(*["LAYERWISE_OFFLOAD"] * 4, "mps") is True
+    assert loader.validate_inputs("RESIDENT", "RESIDENT", "RESIDENT", "RESIDENT", "cpu") is True
+    assert "device 'tpu'" in loader.validate_inputs(*["RESIDENT"] * 4, "tpu")
+    assert loader.validate_inputs(None, "RESIDENT", "RESIDENT", "RESIDENT", "mps") is True  # linked: checked later
+    # "auto" follows ComfyUI's device; on MPS the same rules apply, and execute() refuses too (linked values).
+    import comfy.model_management
+
+    comfy.model_management.state.device = torch.device("mps")
+    assert "MPS admission refused" in loader.validate_inputs(*["RESIDENT"] * 4, "auto")
+    with pytest.raises(AdmissionError, match="transformer"):
+        load(pack, device="auto", transformer_residency="RESIDENT")
+
+
+def test_prompt_validation_marks_the_loader_red_on_mps(pack):
+    from comfy_double.core_nodes import CORE_NODES
+    from comfy_double.executor import PromptError, PromptExecutor
+
+    prompt = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    prompt["1"]["inputs"]["device"] = "mps"
+    executor = PromptExecutor({**pack, **CORE_NODES})
+    executor.validate(prompt)  # the examples stream every component: admitted on MPS
+    prompt["1"]["inputs"]["video_vae_residency"] = "RESIDENT"
+    with pytest.raises(PromptError, match="MPS admission refused 1 setting") as caught:
+        executor.validate(prompt)
+    assert [node for node, _ in caught.value.errors] == ["1"] and "video_vae" in str(caught.value)
+
+
+def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
+    import folder_paths
+    from h3_core.errors import CheckpointError, H3Error
+    from h3_core.tiny_default import ensure_tiny_model
+
+    model_sources = comfy_double.pack_module("nodes.model_sources")
+
+    tiny = ensure_tiny_model()
+    models = Path(folder_paths.models_dir)
+    assert model_sources.h3_folder_choices() == ["(none)"]
+    shutil.copytree(tiny, models / "h3" / "tiny-copy")
+    assert model_sources.h3_folder_choices() == ["(none)", "tiny-copy"]
+    sources = model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA", h3_folder="tiny-copy")
+    assert sources.transformer == models / "h3" / "tiny-copy" / "diffusion_models" / tiny.joinpath(
+        "diffusion_models").glob("*.safetensors").__next__().name
+    with pytest.raises(H3Error, match="h3_folder: no model folder chosen"):
+        model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA")
+
+    for key, name in (("diffusion_models", "minimax_h3_tiny_fl2va_fp32.safetensors"),
+                      ("vae", "minimax_h3_video_vae_tiny_fp32.safetensors"),
+                      ("vae", "minimax_h3_audio_vae_tiny_fp32.safetensors")):
+        shutil.copy(tiny / key / name, models / key / name)
+    (models / "vae" / "unrelated_vae.safetensors").write_bytes(b"")
+    assert model_sources.video_vae_choices()[:2] == ["(none)", "minimax_h3_video_vae_tiny_fp32.safetensors"]
+    assert model_sources.video_vae_choices()[-1] == "unrelated_vae.safetensors"
+    repack = dict(diffusion_model="minimax_h3_tiny_fl2va_fp32.safetensors",
+                  video_vae="minimax_h3_video_vae_tiny_fp32.safetensors",
+                  audio_vae="minimax_h3_audio_vae_tiny_fp32.safetensors")
+    with pytest.raises(H3Error, match="no file chosen in 'text_encoder'"):
+        model_sources.resolve_sources(model_sources.COMFY_REPACK, "FL2VA", **repack)
+    with pytest.raises(CheckpointError, match="text_encoder: 'gone.safetensors' is not in ComfyUI's 'text_encoders'"):
+        model_sources.resolve_sources(model_sources.COMFY_REPACK, "FL2VA", text_encoder="gone.safetensors", **repack)
+    before = model_sources.fingerprint(model_sources.COMFY_REPACK, **repack)
+    (models / "vae" / repack["video_vae"]).write_bytes(b"changed")
+    assert model_sources.fingerprint(model_sources.COMFY_REPACK, **repack) != before  # the loader re-runs
+
+
+def test_hugging_face_source_respects_offline_mode(pack, monkeypatch, tmp_path):
+    from h3_core.errors import CheckpointError, H3Error
+
+    model_sources = comfy_double.pack_module("nodes.model_sources")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache: nothing may be fetched
+    with pytest.raises(CheckpointError, match="nobody/nothing: .*Offline mode is on"):
+        model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="nobody/nothing")
+    with pytest.raises(H3Error, match="repo_id is empty"):
+        model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="  ")
+
+
+def test_tiny_model_has_no_ref2va_partition(pack):
+    from h3_core.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="ref2va"):
+        load(pack, partition="Ref2VA")
+
+
+# ---- the generation nodes on the tiny model ------------------------------------------------------------------------
+
+
+def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
+    from h3_core.media import audio_samples_for_frames
+
+    handle = load(pack)
+    cond = encode(pack, handle)
+    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    assert tuple(latents.video.shape) == (1, 24, 2, H // 16, W // 16) and tuple(latents.audio.shape) == (1, 32, 2, 8)
+    images, fps = run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
+    audio, = run(pack["H3StreamDecodeAudio"], "5", h3_model=handle, h3_latent=latents)
+    assert images.shape == (5, H, W, 3) and images.dtype == torch.float32 and images.device.type == "cpu"
+    assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0 and fps == 24.0
+    assert audio["sample_rate"] == 32000 and audio["waveform"].dtype == torch.float32
+    # 8 latents x 800 samples decode 6400 per channel: shorter than 5 frames' 6667, so nothing is trimmed.
+    assert audio["waveform"].shape == (1, 2, min(8 * 800, audio_samples_for_frames(5)))
+
+    # The bar appears at 0 when sampling starts, then one update per transformer step (steps - 1 = 2).
+    assert recorders["progress"] == [("3", 0, 2), ("3", 1, 2), ("3", 2, 2)]
+    # The memory badge: one message per H3 node, the sampler's with the block counts, and the same as progress text.
+    badges = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
+    assert [b["node"] for b in badges] == ["2", "3", "4", "5"]
+    sampler_badge = badges[1]
+    assert sampler_badge["phase"] == "sampling" and sampler_badge["total_blocks"] == 2
+    assert sampler_badge["resident_blocks"] == 0  # layerwise offload, no resident blocks
+    assert all(b["peak_host_bytes"] > 0 for b in badges)
+    texts = [data for event, data, _ in recorders["messages"] if event == "progress_text"]
+    assert [t["node"] for t in texts] == ["2", "3", "4", "5"] and "0/2 blocks resident" in texts[1]["text"]
+    # Model management: the device cache is emptied after every phase; ComfyUI frees room for resident VAEs.
+    assert recorders["mm"].soft_empty_cache_calls == 4
+    freed = [size for size, _ in recorders["mm"].free_memory_calls]
+    assert freed == [handle.pipeline.sources.video_vae.stat().st_size, handle.pipeline.sources.audio_vae.stat().st_size]
+
+
+def test_same_seed_same_latents_and_other_seed_other_latents(pack):
+    handle = load(pack)
+    cond = encode(pack, handle)
+    sample = pack["H3StreamSampler"]
+    first = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)[0]
+    again = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)[0]
+    other = run(sample, "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "seed": 8})[0]
+    assert torch.equal(first.video, again.video) and torch.equal(first.audio, again.audio)
+    assert not torch.equal(first.video, other.video)
+
+
+def test_offloaded_text_encoder_is_released_before_sampling_and_resident_one_kept(pack, monkeypatch):
+    import h3_core
+
+    loaded = []
+    real_loader = h3_core.load_text_encoder
+
+    def counting_loader(*args, **kwargs):
+        encoder = real_loader(*args, **kwargs)
+        loaded.append(weakref.ref(encoder))
+        return encoder
+
+    monkeypatch.setattr(h3_core, "load_text_encoder", counting_loader)
+    offloaded = load(pack)
+    encode(pack, offloaded)
+    gc.collect()
+    assert len(loaded) == 1 and loaded[0]() is None  # gone before the sampler runs
+    encode(pack, offloaded)
+    assert len(loaded) == 2  # loaded again for the next prompt
+
+    loaded.clear()
+    resident = load(pack, text_encoder_residency="RESIDENT")
+    encode(pack, resident)
+    encode(pack, resident, prompt="Another prompt.")
+    gc.collect()
+    assert len(loaded) == 1 and loaded[0]() is not None
+
+
+def test_cancel_stops_within_one_transformer_block(pack, recorders):
+    """Cancel pressed while block 0 of the first step computes: the next block never starts (without the per-block
+    check the whole step would finish first). The check comes off and the next run is unaffected."""
+    import comfy.model_management as mm
+
+    handle = load(pack)
+    cond = encode(pack, handle)
+    transformer = handle.pipeline.component("transformer")
+    finished_blocks = []
+    counters = [block.register_forward_hook(lambda module, args, out, i=i: finished_blocks.append(i))
+                for i, block in enumerate(transformer.blocks)]
+    press_cancel = transformer.blocks[0].register_forward_hook(lambda *a: mm.interrupt_current_processing(True))
+    assert transformer.before_block is None
+    with pytest.raises(mm.InterruptProcessingException):
+        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    assert finished_blocks == [0]
+    assert recorders["progress"] == [("3", 0, 2)]  # sampling started, not one step finished
+    assert transformer.before_block is None  # the check is detached however the run ended
+    press_cancel.remove()
+    finished_blocks.clear()
+    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    assert finished_blocks == [0, 1, 0, 1] and latents.video.isfinite().all()
+    for handle_ in counters:
+        handle_.remove()
+
+
+def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recorders):
+    handle = load(pack, mps_reclaim_every=2)
+    cond = encode(pack, handle)
+    sample = pack["H3StreamSampler"]
+    fused, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    transformer = handle.pipeline.component("transformer")
+    policy = transformer.chunking
+    empties = recorders["mm"].soft_empty_cache_calls
+    chunked, = run(sample, "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "chunk_size": 16})
+    assert transformer.chunking is policy  # restored after the run
+    # Chunked attention sums in another order: equal to rounding (the chunking issue's own tolerance).
+    assert torch.allclose(chunked.video, fused.video, atol=1e-5, rtol=0)
+    assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
+    # mps_reclaim_every=2 empties the cache every second row chunk, on top of the one call after the phase.
+    assert recorders["mm"].soft_empty_cache_calls - empties > 1
+    # The loader's own chunking reaches load_dit.
+    budgeted = load(pack, chunk_size=32, memory_budget_mib=8).pipeline.component("transformer").chunking
+    assert (budgeted.chunk_size, budgeted.memory_budget) == (32, 8 << 20)
+
+
+def test_fl2va_keyframes_must_match_the_sampler_canvas(pack):
+    from h3_core.errors import H3Error
+
+    handle = load(pack)
+    first = torch.rand(1, 40, 50, 3)
+    cond = encode(pack, handle, first_frame=first)
+    assert cond.has_keyframes and cond.conditioning.anchors == ("first",)
+    with pytest.raises(H3Error, match=r"fitted to 96x64 .* makes 128x64"):
+        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "width": 128})
+    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    assert latents.video.shape[2] == 2
+
+
+def test_sampler_and_text_encode_validation_messages(pack):
+    sampler, encoder = pack["H3StreamSampler"], pack["H3StreamTextEncode"]
+    assert sampler.validate_inputs(96, 64, 1.0, 0) is True
+    assert sampler.validate_inputs(96, 64, 1.0, 39) is True
+    off_grid = sampler.validate_inputs(96, 64, 1.0, 40)
+    assert "17n + 5" in off_grid and "use 56" in off_grid
+    assert "width must be a positive multiple of 32" in sampler.validate_inputs(100, 64, 1.0, 0)
+    assert "seconds must be above 0" in sampler.validate_inputs(96, 64, 0.0, 0)
+    assert sampler.validate_inputs(None, None, None, None) is True  # linked values are checked when it runs
+    assert "height must be between 32 and 4096" in encoder.validate_inputs(96, 8192)
+
+
+def test_unload_releases_every_component(pack):
+    handle = load(pack)
+    cond = encode(pack, handle)
+    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    transformer = weakref.ref(handle.pipeline.component("transformer"))
+    vae = weakref.ref(handle.pipeline.component("video_vae"))
+    text, = run(pack["H3StreamMemoryReport"], "6", h3_model=handle, after=latents)
+    assert "transformer layerwise_offload" in text and "host: process peak" in text
+    run(pack["H3StreamUnload"], "7", h3_model=handle, after=latents)
+    gc.collect()
+    assert transformer() is None and vae() is None
+
+
+# ---- packaging: locales, help pages, registry metadata -------------------------------------------------------------
+
+
+def test_locales_and_help_pages_cover_every_node_and_input(pack):
+    for lang in ("en", "zh"):
+        defs = json.loads((ROOT / "locales" / lang / "nodeDefs.json").read_text(encoding="utf-8"))
+        assert sorted(defs) == sorted(pack), lang
+        for node_id, node_class in pack.items():
+            schema = node_class.GET_SCHEMA()
+            entry = defs[node_id]
+            assert entry["display_name"] and entry["description"]
+            assert list(entry["inputs"]) == [i.id for i in schema.inputs], (lang, node_id)
+            assert list(entry.get("outputs", {})) == [str(n) for n in range(len(schema.outputs))], (lang, node_id)
+            for socket in schema.inputs:
+                assert ("tooltip" in entry["inputs"][socket.id]) == bool(socket.tooltip), (lang, node_id, socket.id)
+                if lang == "en" and socket.tooltip:
+                    assert entry["inputs"][socket.id]["tooltip"] == socket.tooltip, (node_id, socket.id)
+            if lang == "en":
+                assert entry["display_name"] == schema.display_name and entry["description"] == schema.description
+        main = json.loads((ROOT / "locales" / lang / "main.json").read_text(encoding="utf-8"))
+        assert "H3 Stream" in main["nodeCategories"]
+    for node_id in pack:
+        assert (ROOT / "web" / "docs" / f"{node_id}.md").read_text().startswith("# ")
+        assert (ROOT / "web" / "docs" / node_id / "zh.md").read_text(encoding="utf-8").startswith("# ")
+
+
+def test_registry_metadata_and_comfyignore():
+    comfy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]
+    assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["Icon"].startswith("https://")
+    assert comfy["Icon"].endswith("/web/icon.png") and (ROOT / "web" / "icon.png").is_file()
+    assert set(comfy["includes"]) >= {"web", "example_workflows", "locales"} and comfy["web"] == "web"
+    assert comfy["requires-comfyui"].startswith(">=0.")  # core is 0.x: a 1.x floor would disable the pack
+    ignored = (ROOT / ".comfyignore").read_text().split()
+    assert {"tests/", "benchmarks/", ".ci/"} <= set(ignored)
+    assert not any(entry.startswith(("web", "example_workflows", "locales", "nodes", "h3_core")) for entry in ignored)

@@ -1,0 +1,172 @@
+"""The example workflows: UI format (workflow JSON 1.0) and API-format twins.
+
+Checked against the node schemas recorded from a real ComfyUI (tests/comfy_double/contract/object_info.json), converted
+UI -> API independently of how the files were written, and run through the test double's prompt executor on the
+embedded tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import comfy_double
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "example_workflows"
+OBJECT_INFO = json.loads((comfy_double.CONTRACT / "object_info.json").read_text())
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMBO_V3"}
+CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
+UI_FILES = sorted(EXAMPLES.glob("*.json"))
+API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
+SEMVER = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def is_widget(spec) -> bool:
+    return isinstance(spec[0], list) or spec[0] in WIDGET_TYPES
+
+
+def inputs_in_order(node_type: str):
+    """(name, spec, required) in the order the frontend lays them out: required first, then optional."""
+    info = OBJECT_INFO[node_type]
+    for group in ("required", "optional"):
+        for name in info["input_order"].get(group, []):
+            yield name, info["input"][group][name], group == "required"
+
+
+def ui_to_api(workflow: dict) -> dict:
+    """What the frontend queues for a UI workflow: widget values by widget order, links as [origin id, slot]."""
+    links = {link["id"]: link for link in workflow["links"]}
+    prompt = {}
+    for node in workflow["nodes"]:
+        assert node["type"] in OBJECT_INFO, f"node type {node['type']} has no recorded schema"
+        assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
+        values = list(node.get("widgets_values", []))
+        inputs = {}
+        for name, spec, _ in inputs_in_order(node["type"]):
+            if not is_widget(spec):
+                continue
+            assert values, f"node {node['id']} ({node['type']}): no widget value left for {name}"
+            inputs[name] = values.pop(0)
+            if spec[1].get("control_after_generate"):
+                assert values.pop(0) in CONTROL_AFTER_GENERATE, (node["id"], name)
+        assert not values, f"node {node['id']} ({node['type']}): {len(values)} widget values too many"
+        for slot in node.get("inputs", []):
+            if slot.get("link") is not None:
+                link = links[slot["link"]]
+                inputs[slot["name"]] = [str(link["origin_id"]), link["origin_slot"]]
+        prompt[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return prompt
+
+
+def test_every_ui_workflow_has_an_api_twin_and_both_kinds_exist():
+    assert [p.name for p in UI_FILES] == [p.name for p in API_FILES]
+    names = " ".join(p.name for p in UI_FILES)
+    assert "t2va" in names and "fl2va" in names
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_is_valid_workflow_json_1_0(path):
+    workflow = json.loads(path.read_text())
+    assert workflow["version"] == 1
+    nodes = {node["id"]: node for node in workflow["nodes"]}
+    assert len(nodes) == len(workflow["nodes"])
+    state = workflow["state"]
+    assert set(state) >= {"lastGroupId", "lastNodeId", "lastLinkId", "lastRerouteId"}
+    assert state["lastNodeId"] == max(nodes) and state["lastLinkId"] == max(link["id"] for link in workflow["links"])
+    for node in workflow["nodes"]:
+        for key in ("id", "type", "pos", "size", "flags", "order", "mode", "properties"):
+            assert key in node, (node["id"], key)
+        assert len(node["pos"]) == 2 and len(node["size"]) == 2
+        properties = node["properties"]
+        assert properties["Node name for S&R"] == node["type"]
+        assert properties["cnr_id"] == ("h3-stream" if node["type"].startswith("H3Stream") else "comfy-core")
+        assert SEMVER.match(properties["ver"])
+        info = OBJECT_INFO[node["type"]]
+        assert [(o["name"], o["type"]) for o in node["outputs"]] == list(zip(info["output_name"], info["output"]))
+    seen = set()
+    for link in workflow["links"]:
+        assert link["id"] not in seen
+        seen.add(link["id"])
+        origin, target = nodes[link["origin_id"]], nodes[link["target_id"]]
+        assert link["id"] in origin["outputs"][link["origin_slot"]]["links"]
+        slot = target["inputs"][link["target_slot"]]
+        assert slot["link"] == link["id"]
+        assert link["type"] == origin["outputs"][link["origin_slot"]]["type"] == slot["type"]
+    for node in workflow["nodes"]:
+        for output in node["outputs"]:
+            assert all(link_id in seen for link_id in output["links"])
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_and_its_api_twin_are_the_same_graph(path):
+    converted = ui_to_api(json.loads(path.read_text()))
+    twin = json.loads((EXAMPLES / "api" / path.name).read_text())
+    assert {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in twin.items()} == converted
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_matches_the_recorded_node_schemas(path):
+    """Node ids, input names, link types and widget values valid for the real nodes (ours and core's)."""
+    prompt = json.loads(path.read_text())
+    for node_id, node in prompt.items():
+        info = OBJECT_INFO[node["class_type"]]
+        known = {name: (spec, required) for name, spec, required in inputs_in_order(node["class_type"])}
+        assert set(node["inputs"]) <= set(known), (node_id, set(node["inputs"]) - set(known))
+        for name, (spec, required) in known.items():
+            if name not in node["inputs"]:
+                assert not required, f"node {node_id}: required input {name} missing"
+                continue
+            value, options = node["inputs"][name], spec[1]
+            if isinstance(value, list):
+                source = prompt[value[0]]
+                assert OBJECT_INFO[source["class_type"]]["output"][value[1]] == spec[0], (node_id, name)
+            elif spec[0] == "COMBO":
+                assert value in options["options"], (node_id, name, value)
+            elif spec[0] == "COMFY_DYNAMICCOMBO_V3":
+                assert value in [option["key"] for option in options["options"]], (node_id, name, value)
+            elif spec[0] in ("INT", "FLOAT"):
+                assert options.get("min", value) <= value <= options.get("max", value), (node_id, name, value)
+        assert info["name"] == node["class_type"]
+    types = [node["class_type"] for node in prompt.values()]
+    assert {"CreateVideo", "SaveVideo", "SaveAudio"} <= set(types)
+    saves = {node["class_type"]: node for node in prompt.values() if node["class_type"] in ("SaveVideo", "SaveAudio")}
+    assert prompt[saves["SaveVideo"]["inputs"]["video"][0]]["class_type"] == "CreateVideo"
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    """One executor for all example prompts: like a ComfyUI server, it keeps unchanged nodes' outputs (the loaded
+    model) between prompts."""
+    comfy_double.install(tmp_path_factory.mktemp("comfyui"))
+    from comfy_double.core_nodes import CORE_NODES
+    from comfy_double.executor import PromptExecutor
+
+    return PromptExecutor({**comfy_double.load_pack(), **CORE_NODES})
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
+    from comfy_double.core_nodes import SAVED
+    from h3_core.layout import frames_for_seconds
+    from h3_core.media import audio_samples_for_frames
+
+    prompt = json.loads(path.read_text())
+    SAVED.clear()
+    result = executor.run(prompt)
+    sampler = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamSampler")
+    frames = sampler["frames"] or frames_for_seconds(sampler["seconds"])
+    video, audio = SAVED
+    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudio"
+    assert tuple(video["images"].shape) == (frames, sampler["height"], sampler["width"], 3)
+    assert video["frame_rate"] == 24
+    assert video["audio"] is audio["audio"]  # the same AUDIO feeds the video and the audio file
+    waveform = audio["audio"]["waveform"]
+    assert waveform.shape == (1, 2, audio_samples_for_frames(frames)) and audio["audio"]["sample_rate"] == 32000
+    assert torch.isfinite(waveform).all() and torch.isfinite(video["images"]).all()
+    output_nodes = {node_id for node_id, node in prompt.items() if node["class_type"] in ("SaveVideo", "SaveAudio")}
+    assert output_nodes <= set(result.ui)

@@ -1,0 +1,76 @@
+// h3-stream web extension: a memory badge on the pack's nodes, and MPS-only options shown only on MPS.
+// Optional: every node works from API-format prompts without a browser. Uses documented hooks only.
+import { app } from "../../scripts/app.js";
+import { api } from "../../scripts/api.js";
+
+const EVENT = "h3_stream.memory"; // sent by nodes/comfy_runtime.py after each H3 node ran
+const NODE_IDS = new Set([
+  "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
+  "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload",
+]);
+// Widgets that only do something on Apple MPS (unified memory).
+const MPS_ONLY_WIDGETS = { H3StreamLoader: ["mps_reclaim_every"] };
+
+let deviceType = null; // "cpu" | "cuda" | "mps", from /system_stats
+
+function gib(bytes) {
+  return bytes === null || bytes === undefined ? "n/a" : `${(bytes / 2 ** 30).toFixed(2)} GiB`;
+}
+
+function badgeText(report) {
+  const parts = [`dev ${gib(report.peak_device_bytes)}`, `host ${gib(report.peak_host_bytes)}`];
+  if (report.total_blocks) parts.push(`blocks ${report.resident_blocks}/${report.total_blocks} resident`);
+  return `${report.phase}: ${parts.join(" · ")}`;
+}
+
+function applyMpsVisibility(node) {
+  const names = MPS_ONLY_WIDGETS[node.comfyClass];
+  if (!names || !node.widgets) return;
+  const hide = deviceType !== null && deviceType !== "mps";
+  for (const widget of node.widgets) {
+    if (names.includes(widget.name)) widget.hidden = hide;
+  }
+  node.setSize?.(node.computeSize());
+}
+
+function drawBadge(node) {
+  const draw = node.onDrawForeground;
+  node.onDrawForeground = function (ctx) {
+    draw?.apply(this, arguments);
+    if (!this.h3StreamBadge || this.flags?.collapsed) return;
+    ctx.save();
+    ctx.font = "11px sans-serif";
+    const width = ctx.measureText(this.h3StreamBadge).width + 10;
+    ctx.fillStyle = "rgba(20, 90, 60, 0.85)";
+    ctx.beginPath();
+    ctx.roundRect?.(this.size[0] - width, -LiteGraph.NODE_TITLE_HEIGHT - 20, width, 17, 5);
+    ctx.fill();
+    ctx.fillStyle = "#fff";
+    ctx.fillText(this.h3StreamBadge, this.size[0] - width + 5, -LiteGraph.NODE_TITLE_HEIGHT - 7);
+    ctx.restore();
+  };
+}
+
+app.registerExtension({
+  name: "h3_stream.memory_badge",
+  async setup() {
+    try {
+      const stats = await (await api.fetchApi("/system_stats")).json();
+      deviceType = stats?.devices?.[0]?.type ?? null;
+    } catch (error) {
+      console.warn("h3-stream: /system_stats unavailable, MPS-only options stay visible", error);
+    }
+    for (const node of app.graph?._nodes ?? []) applyMpsVisibility(node);
+    api.addEventListener(EVENT, ({ detail }) => {
+      const node = app.graph?.getNodeById(Number(detail.node)) ?? app.graph?.getNodeById(detail.node);
+      if (!node) return;
+      node.h3StreamBadge = badgeText(detail);
+      node.setDirtyCanvas?.(true, true);
+    });
+  },
+  nodeCreated(node) {
+    if (!NODE_IDS.has(node.comfyClass)) return;
+    drawBadge(node);
+    applyMpsVisibility(node);
+  },
+});
