@@ -87,16 +87,22 @@ def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8"
 
 
 def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline: bool | None = None,
-                  cache_dir: str | os.PathLike | None = None) -> ModelSources:
+                  cache_dir: str | os.PathLike | None = None, hub_only: bool = False) -> ModelSources:
     """Find the four components of an H3 download.
 
     `model` is an official diffusers folder (`transformer/`, `text_encoder/`, `vae/`, `audio_vae/`, `tokenizer/`), an
     original release folder or one of its partitions (`FL2VA/`, `Ref2VA/`: `transformer/`, `video_vae/`,
     `audio_vae/`, `text_encoder/`), a ComfyUI `models/` folder (`diffusion_models/`, `text_encoders/`, `vae/`), or a
     Hugging Face repo id, of which only the needed folders are downloaded (offline mode is respected).
+    `hub_only=True` accepts a repo id only, never a local path (for inputs that must not reach arbitrary folders).
     """
     if partition not in PARTITIONS:
         raise H3Error(f"partition must be one of {PARTITIONS}, got {partition!r}.")
+    if hub_only:
+        if not is_repo_id(str(model)):
+            raise H3Error(f"{model!r} is not a Hugging Face repo id ('owner/name', letters, digits, '.', '_', '-'); "
+                          "local folders go in ComfyUI's models/h3 folder instead.")
+        return resolve_model(_download(str(model), partition, offline, cache_dir), partition=partition)
     path = Path(model).expanduser()
     if not path.exists():
         text = str(model)

@@ -75,6 +75,14 @@ def _chosen(value: str, what: str, widget: str) -> str:
     return value
 
 
+def _inside(path: str, root: str) -> bool:
+    try:
+        Path(os.path.abspath(path)).relative_to(os.path.abspath(root))
+    except ValueError:
+        return False
+    return ".." not in Path(os.path.relpath(os.path.abspath(path), os.path.abspath(root))).parts
+
+
 def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffusion_model: str = NONE,
                     text_encoder: str = NONE, video_vae: str = NONE, audio_vae: str = NONE,
                     repo_id: str = DEFAULT_REPO_ID):
@@ -93,15 +101,20 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
         if not name or name == NONE:
             raise H3Error(f"h3_folder: no model folder chosen. Put an H3 download (official or release layout) in "
                           f"{os.path.join(folder_paths.models_dir, H3_FOLDER_KEY)}/<name>/, refresh, and pick it.")
+        if Path(name).name != name or name in (".", ".."):
+            raise H3Error(f"h3_folder: {name!r} must be the name of one folder inside models/h3, not a path.")
         for root in folder_paths.get_folder_paths(H3_FOLDER_KEY):
-            candidate = Path(root) / name
-            if candidate.is_dir():
+            candidate = (Path(root) / name).resolve()
+            # A symlink inside models/h3 may point anywhere the user put it; '..' tricks may not.
+            if candidate.is_dir() and (Path(root) / name).parent.resolve() == Path(root).resolve():
                 return resolve_model(candidate, partition=core_partition)
         raise CheckpointError(f"h3_folder: {name!r} is in none of the h3 model folders "
                               f"{folder_paths.get_folder_paths(H3_FOLDER_KEY)}; refresh the node.", path=name)
     if source == COMFY_REPACK:
         def full_path(key: str, value: str, what: str, widget: str) -> Path:
             found = folder_paths.get_full_path(key, _chosen(value, what, widget))
+            if found is not None and not any(_inside(found, root) for root in folder_paths.get_folder_paths(key)):
+                found = None  # never a file outside the configured model folders, whatever the ComfyUI version
             if found is None:
                 raise CheckpointError(f"{widget}: {value!r} is not in ComfyUI's '{key}' folders "
                                       f"{folder_paths.get_folder_paths(key)}; refresh the node and pick a file that "
@@ -120,7 +133,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
         repo = (repo_id or "").strip()
         if not repo:
             raise H3Error("repo_id is empty; give a Hugging Face repo id such as 'MiniMaxAI/MiniMax-H3'.")
-        return resolve_model(repo, partition=core_partition)
+        return resolve_model(repo, partition=core_partition, hub_only=True)
     raise H3Error(f"source {source!r} is not one of {list(SOURCES)}.")
 
 

@@ -62,8 +62,10 @@ def get_filename_list(folder_name: str) -> list[str]:
 def get_full_path(folder_name: str, filename: str) -> str | None:
     if folder_name not in folder_names_and_paths:
         return None
+    # As the real folder_paths does: the name is anchored at "/" first, so ".." cannot climb out of the folder.
+    filename = os.path.relpath(os.path.join("/", filename), "/")
     for root in folder_names_and_paths[folder_name][0]:
-        candidate = os.path.join(root, os.path.normpath(filename))
+        candidate = os.path.join(root, filename)
         if os.path.isfile(candidate):
             return candidate
     return None
