@@ -97,14 +97,18 @@ def peak_rss_bytes() -> int | None:
 
 
 def memory_report(device: torch.device) -> str:
+    from .offload_backends import DeviceOps
+
     lines = []
     rss = peak_rss_bytes()
     if rss is not None:
         lines.append(f"peak host memory (RSS): {rss / 2**30:.2f} GiB")
-    if device.type == "cuda" and torch.cuda.is_available():
-        lines.append(f"peak device memory: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
-    elif device.type == "mps" and hasattr(torch, "mps"):
-        lines.append(f"device memory now: {torch.mps.driver_allocated_memory() / 2**30:.2f} GiB (driver)")
+    ops = DeviceOps.for_device(device)  # the per-device allocator queries live in the backend object
+    peak, driver = ops.peak_allocated_bytes(), ops.driver_bytes()
+    if peak is not None:
+        lines.append(f"peak device memory: {peak / 2**30:.2f} GiB")
+    elif driver is not None:
+        lines.append(f"device memory now: {driver / 2**30:.2f} GiB (driver)")
     return "\n".join(lines)
 
 
