@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--residency", choices=("auto", "resident", "layerwise"), default="auto",
                    help="every component: all weights on the device, or streamed block by block "
                         "(auto: layerwise on Apple MPS, resident elsewhere)")
-    g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP (default: fused)")
+    g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP of the transformer and text encoder "
+                        "(default: fused)")
     g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="auto", help="auto keeps the checkpoint's dtypes")

@@ -415,6 +415,7 @@ def plan_components(sources: ModelSources, *, device="cpu", residency: str = "au
         residency = "layerwise" if torch.device(device).type == "mps" else "resident"
     options: dict = {name: ({"residency": residency} if residency != "resident" else {})
                      for name in H3Pipeline.COMPONENTS}
-    if chunk_size is not None:
+    if chunk_size is not None:  # rows per chunk of attention queries and MLP, in the transformer and text encoder
         options["transformer"]["chunk_size"] = chunk_size
+        options["text_encoder"]["chunk_size"] = chunk_size
     return options

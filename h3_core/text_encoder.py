@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .chunking import FUSED, RowChunks
 from .errors import H3Error
 from .residency import AllResident, PhaseScopedWeights
 from .vision_tower import ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, prepare_image
@@ -168,13 +169,17 @@ class InterleavedMRoPE(nn.Module):
         return angles.cos(), angles.sin()
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """(B, H, L, D) queries against (B, H_kv, L, D) keys/values, causal; K/V heads shared by groups of queries."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, H, L, D) queries against (B, H_kv, S, D) keys/values, causal (or the given boolean `mask`, for a chunk of
+    queries); K/V heads shared by groups of queries."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 class Attention(nn.Module):
@@ -189,17 +194,40 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotated(self, proj: nn.Linear, norm: RMSNorm, x, cos, sin) -> torch.Tensor:
         batch, rows, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(batch, rows, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(batch, rows, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(batch, rows, -1, self.head_dim).transpose(1, 2)
+        h = norm(proj(x).view(batch, rows, -1, self.head_dim)).transpose(1, 2)
         # The reference rounds cos/sin to the activation dtype before rotating.
-        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        out = causal_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, rows, -1))
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        return h * cos + rotate_half(h) * sin
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                chunks: RowChunks = FUSED) -> torch.Tensor:
+        """One forward for every chunk size: with row chunks, keys and values are projected chunk by chunk into
+        full-length buffers, then each chunk of queries attends to the keys up to its last row (causal)."""
+        batch, rows, _ = x.shape
+        if chunks.size is None or chunks.size >= rows:
+            q = self._rotated(self.q_proj, self.q_norm, x, cos, sin)
+            k = self._rotated(self.k_proj, self.k_norm, x, cos, sin)
+            v = self.v_proj(x).view(batch, rows, -1, self.head_dim).transpose(1, 2)
+            return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(batch, rows, -1))
+        keys = values = out = None
+        for start, end in chunks.ranges(rows):
+            k = self._rotated(self.k_proj, self.k_norm, x[:, start:end], cos[start:end], sin[start:end])
+            v = self.v_proj(x[:, start:end]).view(batch, end - start, -1, self.head_dim).transpose(1, 2)
+            if keys is None:
+                keys = k.new_empty(k.shape[:2] + (rows, self.head_dim))
+                values = v.new_empty(keys.shape)
+            keys[:, :, start:end], values[:, :, start:end] = k, v
+        for start, end in chunks.ranges(rows):
+            q = self._rotated(self.q_proj, self.q_norm, x[:, start:end], cos[start:end], sin[start:end])
+            # Query row i (absolute start + i) sees keys 0 .. start + i.
+            mask = torch.ones(end - start, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            attended = causal_attention(q, keys[:, :, :end], values[:, :, :end], mask)
+            result = self.o_proj(attended.transpose(1, 2).reshape(batch, end - start, -1))
+            out = result.new_empty((batch, rows, result.shape[-1])) if out is None else out
+            out[:, start:end] = result
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -221,9 +249,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                chunks: RowChunks = FUSED) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks)
+        if chunks.size is None or chunks.size >= x.shape[1]:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        for start, end in chunks.ranges(x.shape[1]):  # rows are independent in the MLP: one chunk at a time
+            rows = x[:, start:end]
+            x[:, start:end] = rows + self.mlp(self.post_attention_layernorm(rows))
+        return x
 
 
 class LanguageModel(nn.Module):
@@ -238,6 +272,8 @@ class LanguageModel(nn.Module):
         # Where the decoder layers' weights live while the forward runs; load_text_encoder(residency="layerwise")
         # replaces it with a manager that streams them one layer at a time (see residency.py).
         self.block_residency = AllResident(num_layers)
+        # Rows per chunk of attention queries and MLP for long prompts (None: the fused path).
+        self.chunk_size: int | None = None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, visual_rows: torch.Tensor | None = None,
                 deepstack: Sequence[torch.Tensor] = ()) -> torch.Tensor:
@@ -248,13 +284,14 @@ class LanguageModel(nn.Module):
         """
         cos, sin = self.rotary(positions)
         x = inputs_embeds
+        chunks = RowChunks(self.chunk_size)
         last = len(self.layers) - 1
         residency = self.block_residency
         residency.begin_pass()
         try:
             for index, layer in enumerate(self.layers):
                 residency.acquire(index)  # layer `index` on the device (and the next `prefetch` on their way)
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, chunks)
                 residency.release(index)
                 if index < len(deepstack) and index < last:
                     x = x.index_add(1, visual_rows, deepstack[index].to(x.dtype)[None])

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from .admission import ComponentPlan, Platform, check_admission
 from .checkpoint import check_tensors, open_folder_files, read_json
+from .chunking import check_chunk_size
 from .errors import CheckpointError, H3Error
 from .host_store import HostTensor
 from .residency import Residency, attach_layerwise, layerwise_manager
@@ -360,7 +361,7 @@ def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
-_OPTIONS = ("config", "processor")
+_OPTIONS = ("config", "processor", "chunk_size")
 # With layerwise residency: streamed per decoder layer, or materialised only for one phase of each forward.
 STREAMED_LAYER_PREFIX = "language_model.layers."
 PHASE_SCOPED = {"embeddings": ("language_model.embed_tokens.",), "vision": ("vision_tower.",)}
@@ -384,7 +385,9 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
 
     Options: `config` — a config.json path / dict for a single file that is not Qwen3-VL-32B (the ComfyUI repack
     carries no config); `processor` — a `preprocessor_config.json` (or its folder) for the keyframe preprocessing,
-    found beside the model when omitted (else the released Qwen3-VL values).
+    found beside the model when omitted (else the released Qwen3-VL values); `chunk_size` — rows per chunk of the
+    attention queries and the MLP for long prompts (None: fused), bounding the activations to keys, values and one
+    chunk; the same numbers as the fused path up to rounding.
 
     `residency="layerwise"` streams the decoder layers: they stay in the memory maps (no copy at load) and at most
     `prefetch + 1` of them are materialised on the device during a forward (`prefetch` default 0, 1 on CUDA);
@@ -396,6 +399,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"load_text_encoder() got unknown option(s) {unknown}; supported: {list(_OPTIONS)}.")
+    chunk_size = check_chunk_size(options.get("chunk_size"))  # checked before any reading
     device = torch.device(device)
     mode = Residency.parse(residency)
     check_admission({"text_encoder": ComponentPlan(mode, str(device))}, Platform.for_device(device))
@@ -440,6 +444,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
         model.language_model.block_residency, model.weight_phases = attach_layerwise(
             model, recipes, manager, blocks=blocks, phases=PHASE_SCOPED, device=device)
     model.eval()
+    model.language_model.chunk_size = chunk_size
     model.tokenizer = h3_tokenizer
     model.image_processor = image_processor
     model.checkpoint_layout = ckpt.layout
