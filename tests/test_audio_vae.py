@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vae_fixtures import (folded_audio_state, reference_audio, reference_audio_decode, reference_audio_encode,
+from vae_fixtures import (one_error as _one_error, folded_audio_state, reference_audio, reference_audio_decode, reference_audio_encode,
                           reference_video, rel_l2, save_audio_comfy, save_audio_diffusers, save_audio_native,
                           save_video_comfy)
 
@@ -137,15 +137,6 @@ def test_encode_matches_reference_for_a_length_off_the_hop(vae, reference):
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
-
-
-def _one_error(call, cls, *fragments):
-    with pytest.raises(cls) as info:
-        call()
-    assert isinstance(info.value, H3Error)
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-    return info.value
 
 
 def test_loader_errors_name_the_file_and_key(checkpoints, reference, tmp_path):

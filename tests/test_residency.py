@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.multiprocessing.reductions import StorageWeakRef
 
 import h3_core
 from h3_core.host_store import HostTensor, PinBudget, PinnedSlab, page_aligned_bytes, plan_slab, PAGE_SIZE
@@ -18,6 +17,7 @@ from h3_core.residency import (AllResident, BlockHooks, LayerwiseOffloadManager,
                                SlotStateError, SlotTable)
 from h3_fixtures import packed_inputs
 from offload_fixtures import SMALL, random_dit, random_state, same_outputs, save_comfy, save_diffusers, save_native
+from residency_probe import MaterialisationCensus
 
 N = SMALL.num_layers
 
@@ -60,29 +60,6 @@ def is_materialised(module: nn.Module) -> bool:
 
 def block_bytes(model, index):
     return sum(p.numel() * p.element_size() for p in model.blocks[index].parameters())
-
-
-class MaterialisationCensus:
-    """Which streamed blocks have device tensors alive, judged from storage liveness alone (not the ledger).
-
-    Wraps the store's `materialise` (the synchronous backend's only way to make device tensors) and keeps a weak
-    reference to every storage it returns.
-    """
-
-    def __init__(self, store):
-        self.refs = []
-        make = store.materialise
-
-        def materialise(unit, device):
-            tensors = make(unit, device)
-            self.refs += [(unit, StorageWeakRef(t.untyped_storage())) for t in tensors.values()]
-            return tensors
-
-        store.materialise = materialise
-
-    def live(self) -> set[int]:
-        self.refs = [(u, r) for u, r in self.refs if not r.expired()]
-        return {u for u, _ in self.refs}
 
 
 class ResidencyProbe:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from vae_fixtures import (LiveTensorBytes, reference_audio, reference_video, reference_video_decode,
+from vae_fixtures import (one_error as _one_error, LiveTensorBytes, reference_audio, reference_video, reference_video_decode,
                           reference_video_decode_clip, reference_video_encode, rel_l2, save_audio_comfy,
                           save_video_comfy, save_video_diffusers, save_video_native)
 
@@ -322,15 +322,6 @@ def test_encode_one_frame_matches_reference(encode_vae, reference):
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------
-
-
-def _one_error(call, cls, *fragments):
-    with pytest.raises(cls) as info:
-        call()
-    assert isinstance(info.value, H3Error)
-    for fragment in fragments:
-        assert fragment in str(info.value), str(info.value)
-    return info.value
 
 
 def test_loader_errors_name_the_file_and_key(checkpoints, reference, tmp_path):

@@ -342,3 +342,17 @@ class LiveTensorBytes:
     def __exit__(self, *exc):
         self._mode.__exit__(*exc)
         return False
+
+
+def one_error(call, cls, *fragments):
+    """`call()` raises one `cls` (an H3Error) whose message holds every fragment; returns it."""
+    import pytest
+
+    from h3_core.errors import H3Error
+
+    with pytest.raises(cls) as info:
+        call()
+    assert isinstance(info.value, H3Error)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    return info.value
