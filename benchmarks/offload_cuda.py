@@ -26,9 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import h3_core  # noqa: E402
-from h3_core.config import H3DiTConfig  # noqa: E402
-from h3_core.offload_backends import offload_backend  # noqa: E402
-from h3_core.residency import LayerwiseOffloadManager  # noqa: E402
+from h3_core.models.dit_config import H3DiTConfig  # noqa: E402
+from h3_core.runtime import LayerwiseOffloadManager, Platform, offload_backend  # noqa: E402
 
 
 def config_for(block_mib: float, blocks: int) -> H3DiTConfig:
@@ -72,25 +71,22 @@ def build_model(config: H3DiTConfig, device, dtype: torch.dtype) -> h3_core.H3Di
             value.fill_(1.0 if "norm" in name else 0.0)
         model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
     c = config
-    inv_freq = h3_core.dit.RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta)
+    inv_freq = h3_core.models.dit.RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta)
     model.rope._buffers["inv_freq"] = inv_freq.to(device)
     return model.eval()
 
 
 class Clock:
+    """Wall time of queued device work: the device is drained before and after (steps take far longer than that)."""
+
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        self.platform = Platform.for_device(device)
 
     def measure(self, fn) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
+        self.platform.synchronize()
         begin = time.perf_counter()
         fn()
+        self.platform.synchronize()
         return time.perf_counter() - begin
 
 
@@ -112,9 +108,10 @@ def run_mode(args) -> dict:
             if step >= args.warmup:
                 steps.append(elapsed)
     result = {"mode": args.mode, "step_s": statistics.median(steps), "steps": steps, "hidden": config.hidden_size,
-              "rows": int(inputs["position_ids"].shape[0]), "device_name": device_name(device)}
-    if device.type == "cuda":
-        result["peak_allocated"] = torch.cuda.max_memory_allocated(device)
+              "rows": int(inputs["position_ids"].shape[0]), "device_name": Platform.for_device(device).name()}
+    peak = Platform.for_device(device).peak_allocated_bytes()
+    if peak is not None:
+        result["peak_allocated"] = peak
     if args.mode == "layerwise":
         manager = model.block_residency
         stats = manager.stats()
@@ -144,12 +141,6 @@ def raw_copy_gbps(manager, clock, repeats: int = 10) -> float:
     copy()
     seconds = clock.measure(lambda: [copy() for _ in range(repeats)])
     return repeats * nbytes / seconds / 1e9
-
-
-def device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return device.type
 
 
 def main() -> None:

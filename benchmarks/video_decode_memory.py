@@ -55,7 +55,7 @@ def child(args) -> None:
     import torch
     from vae_fixtures import LiveTensorBytes, reference_video, reference_video_decode
 
-    from h3_core import load_video_vae
+    from h3_core import Platform, load_video_vae
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -76,18 +76,19 @@ def child(args) -> None:
         def run():
             reference_video_decode(model, latent)
 
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        cuda_base = torch.cuda.memory_allocated()
-    rss_ok = device.type == "cpu" and _reset_peak_rss()
+    platform = Platform.for_device(device)
+    platform.synchronize()
+    platform.reset_peak()
+    device_base = platform.allocated_bytes()
+    rss_ok = platform.host_is_device and _reset_peak_rss()
     rss_base = _status_kb("VmRSS")
     with LiveTensorBytes(device.type) as tracker:
         run()
     result = {"mode": args.mode, "frames": args.frames, "tracked_mib": tracker.peak / 2**20}
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        result["cuda_mib"] = (torch.cuda.max_memory_allocated() - cuda_base) / 2**20
+    platform.synchronize()
+    peak = platform.peak_allocated_bytes()
+    if peak is not None and device_base is not None:
+        result["device_mib"] = (peak - device_base) / 2**20
     if rss_ok and rss_base is not None:
         result["rss_mib"] = (_status_kb("VmHWM") - rss_base) / 1024
     print(json.dumps(result))
@@ -122,7 +123,7 @@ def main() -> None:
                 done = subprocess.run(command, capture_output=True, text=True, check=True)
                 rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
 
-    metrics = [m for m in ("tracked_mib", "cuda_mib", "rss_mib") if m in rows[0]]
+    metrics = [m for m in ("tracked_mib", "device_mib", "rss_mib") if m in rows[0]]
     print(f"video decode peak memory, {args.size}x{args.size} px, device {args.device}, fresh process per mode")
     print(f"{'mode':<10} {'frames':>6} " + " ".join(f"{m:>12}" for m in metrics))
     for row in rows:

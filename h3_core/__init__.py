@@ -1,19 +1,35 @@
-"""h3_core: a pure-PyTorch implementation of MiniMax H3 with bounded memory. Never imports ComfyUI."""
+"""h3_core: a pure-PyTorch implementation of MiniMax H3 with bounded memory. Never imports ComfyUI.
 
-from .admission import AdmissionError, ComponentPlan, Platform, check_admission
-from .chunking import ChunkingBackend, ChunkingError, ChunkingPolicy, EveryNChunks, chunk_rows_for_budget
-from .config import H3DiTConfig
-from .dit import H3DiT
-from .dit_loader import load_dit, resolve_dit_checkpoint
+The package is layered; each layer imports only those before it (tests/test_architecture.py checks it):
+
+* `errors`, `components` — the shared vocabulary;
+* `runtime/` — the platform object, residency, row chunking, admission, the memory plan;
+* `models/` — the networks and their configs (one forward each);
+* `checkpoints/` — safetensors reading and one loader per component;
+* `pipeline/` — model sources, the generation phases, planning, media writing, the CLI.
+
+This module is the public facade: the names below stay importable from `h3_core` whatever moves inside.
+"""
+
+from .checkpoints.dit_loader import load_dit, resolve_dit_checkpoint
+from .checkpoints.text_encoder_loader import load_text_encoder
+from .checkpoints.video_vae_loader import load_audio_vae, load_video_vae
 from .errors import CheckpointError, H3Error, PickleCheckpointError
-from .layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
-from .residency import (AllResident, BlockHooks, BlockResidency, LayerwiseOffloadManager, PhaseScopedWeights,
-                        Residency, ResidencyError, layerwise_manager)
-from .sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
-from .text_encoder import TextEncoder
-from .text_encoder_loader import load_text_encoder
-from .tokenizer import H3Tokenizer
-from .vae_loader import load_audio_vae, load_video_vae
+from .models.dit import H3DiT
+from .models.dit_config import H3DiTConfig
+from .models.text_encoder import TextEncoder
+from .models.tokenizer import H3Tokenizer
+from .pipeline.layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
+from .pipeline.planning import plan_for_budget
+from .pipeline.sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
+from .pipeline.tiny_default import ensure_tiny_model
+from .runtime.admission import AdmissionError, ComponentPlan, check_admission
+from .runtime.block_hooks import BlockHooks
+from .runtime.chunking import ChunkingError, ChunkingPolicy, EveryNChunks, chunk_rows_for_budget
+from .runtime.layerwise import LayerwiseOffloadManager, layerwise_manager
+from .runtime.phase_scoped import PhaseScopedWeights
+from .runtime.platform import ChunkingBackend, Platform
+from .runtime.residency import AllResident, BlockResidency, Residency, ResidencyError
 
 __version__ = "0.1.0"
 
@@ -45,6 +61,7 @@ __all__ = [
     "build_packed_layout",
     "check_admission",
     "chunk_rows_for_budget",
+    "ensure_tiny_model",
     "euler_step",
     "frames_for_seconds",
     "initial_noise",
@@ -54,6 +71,7 @@ __all__ = [
     "load_text_encoder",
     "load_video_vae",
     "patchify",
+    "plan_for_budget",
     "resolve_dit_checkpoint",
     "row_timesteps",
     "sigma_schedule",

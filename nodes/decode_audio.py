@@ -25,8 +25,8 @@ class H3StreamDecodeAudio(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
-        from h3_core.layout import AUDIO_SAMPLE_RATE
-        from h3_core.media import audio_samples_for_frames
+        from h3_core.pipeline.layout import AUDIO_SAMPLE_RATE
+        from h3_core.pipeline.media import audio_samples_for_frames
 
         pipeline = h3_model.pipeline
         comfy_runtime.free_memory_for({"audio_vae": pipeline.sources.audio_vae}, h3_model.settings, pipeline.device)

@@ -25,7 +25,7 @@ class H3StreamDecodeVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
-        from h3_core.layout import FPS
+        from h3_core.pipeline.layout import FPS
 
         pipeline = h3_model.pipeline
         comfy_runtime.free_memory_for({"video_vae": pipeline.sources.video_vae}, h3_model.settings, pipeline.device)

@@ -24,7 +24,7 @@ def _residency_input(name: str, what: str, blocks: str, default: str, extra: str
 
 def admission_error(settings: MemorySettings) -> str | None:
     """The platform's admission verdict on the settings (h3_core's rules and message), None when admitted."""
-    from h3_core.admission import AdmissionError, Platform, check_admission
+    from h3_core.runtime.admission import AdmissionError, Platform, check_admission
 
     try:
         check_admission(settings.admission_plan(), Platform.for_device(settings.device))
@@ -127,7 +127,7 @@ class H3StreamLoader(io.ComfyNode):
                 h3_folder=model_sources.NONE, diffusion_model=model_sources.NONE, text_encoder=model_sources.NONE,
                 video_vae=model_sources.NONE, audio_vae=model_sources.NONE, repo_id=model_sources.DEFAULT_REPO_ID,
                 mps_reclaim_every=0) -> io.NodeOutput:
-        from h3_core.admission import Platform, check_admission
+        from h3_core.runtime.admission import Platform, check_admission
         from h3_core.pipeline import H3Pipeline
 
         torch_device = comfy_runtime.torch_device(device)

@@ -1,4 +1,4 @@
-"""Memory figures for the badge and the report, read through h3_core's per-device backend (`DeviceOps`: CUDA keeps a
+"""Memory figures for the badge and the report, read through h3_core's platform object (`Platform`: CUDA keeps a
 true peak of allocated bytes, Apple MPS only reports what its driver holds now, the CPU has no device allocator) and
 its process peak RSS, so no device or OS test lives in the nodes."""
 
@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from h3_core.cli import peak_rss_bytes
-from h3_core.offload_backends import DeviceOps
+from h3_core.runtime.platform import Platform, peak_rss_bytes
 
 
 class DevicePeak:
     """Device memory over one node's run: started (peak counter reset) when created, read with `bytes()`."""
 
     def __init__(self, device: torch.device | str):
-        self.ops = DeviceOps.for_device(device)
+        self.ops = Platform.for_device(device)
         self.ops.reset_peak()
 
     def bytes(self) -> int | None:

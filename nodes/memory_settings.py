@@ -14,7 +14,7 @@ COMPONENTS = ("transformer", "text_encoder", "video_vae", "audio_vae")
 RESIDENT = "RESIDENT"
 LAYERWISE_OFFLOAD = "LAYERWISE_OFFLOAD"
 RESIDENCIES = (RESIDENT, LAYERWISE_OFFLOAD)
-# h3_core spells the residencies in lower case (`h3_core.residency.Residency` values).
+# h3_core spells the residencies in lower case (`h3_core.runtime.residency.Residency` values).
 _CORE_RESIDENCY = {RESIDENT: "resident", LAYERWISE_OFFLOAD: "layerwise"}
 DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MIB = 1 << 20
@@ -84,8 +84,8 @@ class MemorySettings:
         return {name: value for name, value in options.items() if value}
 
     def admission_plan(self) -> dict:
-        """The plan `h3_core.admission.check_admission` judges: every component's residency, on the one device."""
-        from h3_core.admission import ComponentPlan
+        """The plan `h3_core.runtime.admission.check_admission` judges: every component's residency, on the one device."""
+        from h3_core.runtime.admission import ComponentPlan
 
         return {name: ComponentPlan(_CORE_RESIDENCY.get(value, value), self.device) for name, value in self.residency}
 

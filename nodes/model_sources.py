@@ -93,7 +93,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
         raise H3Error(f"partition {partition!r} is not one of {list(PARTITIONS)}.")
     core_partition = PARTITIONS[partition]
     if source == TINY:
-        from h3_core.tiny_default import ensure_tiny_model
+        from h3_core.pipeline.tiny_default import ensure_tiny_model
 
         return resolve_model(ensure_tiny_model(), partition=core_partition)
     if source == H3_FOLDER:

@@ -14,7 +14,7 @@ MAX_FRAMES = 17 * 64 + 5
 
 
 def frame_count_error(seconds, frames) -> str | None:
-    from h3_core.layout import align_num_frames, is_aligned_num_frames
+    from h3_core.pipeline.layout import align_num_frames, is_aligned_num_frames
 
     if frames is not None and frames != 0:
         if not 5 <= frames <= MAX_FRAMES:
@@ -70,7 +70,7 @@ class H3StreamSampler(io.ComfyNode):
     def execute(cls, h3_model, h3_cond, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 chunk_size) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.layout import LatentShape, frames_for_seconds
+        from h3_core.pipeline.layout import LatentShape, frames_for_seconds
 
         error = canvas_error(width, height) or frame_count_error(seconds, frames)
         if error:

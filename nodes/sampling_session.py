@@ -14,7 +14,7 @@ def sampling_session(transformer, *, chunk_size: int = 0, reclaim: Callable[[], 
                      reclaim_every: int = 0):
     """`chunk_size > 0` overrides the row chunking for this run; `reclaim_every > 0` calls `reclaim()` after every
     that many row chunks."""
-    from h3_core.chunking import EveryNChunks
+    from h3_core.runtime.chunking import EveryNChunks
 
     saved = transformer.chunking
     try:

@@ -22,7 +22,7 @@ def canvas_inputs() -> list:
 
 def canvas_error(width, height) -> str | None:
     from h3_core.errors import H3Error
-    from h3_core.layout import check_canvas
+    from h3_core.pipeline.layout import check_canvas
 
     if width is None or height is None:
         return None  # linked: checked when the node runs

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3_core.config import H3DiTConfig
+from h3_core.models.dit_config import H3DiTConfig
 
 TINY = H3DiTConfig(
     num_layers=2, num_refiner_layers=2, hidden_size=64, num_attention_heads=3, attention_head_dim=32, ffn_dim=96,
@@ -137,8 +137,8 @@ def cast_like_release(reference):
 def packed_inputs(config: H3DiTConfig, *, text_len=7, latent_frames=3, latent_hw=(4, 6), audio_latents=5,
                   anchors=("first", "last"), vision_rows=2, t_video=0.3, t_audio=0.55, seed=1, batch=1):
     """A packed T2VA/FL2VA forward input with text, keyframe, audio and video rows and three distinct timesteps."""
-    from h3_core.layout import build_packed_layout
-    from h3_core.sampler import row_timesteps
+    from h3_core.pipeline.layout import build_packed_layout
+    from h3_core.pipeline.sampler import row_timesteps
 
     g = torch.Generator().manual_seed(seed)
     text_tags = torch.ones(text_len, dtype=torch.long)

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3_core.config import H3DiTConfig
-from h3_core.dit import H3DiT, RotaryEmbedding3D
+from h3_core.models.dit_config import H3DiTConfig
+from h3_core.models.dit import H3DiT, RotaryEmbedding3D
 
 SMALL = H3DiTConfig(
     num_layers=6, num_refiner_layers=2, hidden_size=32, num_attention_heads=2, attention_head_dim=16, ffn_dim=48,

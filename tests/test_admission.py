@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 import h3_core
-from h3_core.admission import COMPONENTS, AdmissionError, ComponentPlan, Platform, admission_violations, check_admission
+from h3_core.components import COMPONENTS
+from h3_core.runtime import AdmissionError, ComponentPlan, Platform, admission_violations, check_admission
 
 MPS = Platform("mps")
 CUDA = Platform("cuda")

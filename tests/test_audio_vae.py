@@ -14,7 +14,7 @@ from vae_fixtures import (one_error as _one_error, folded_audio_state, reference
 
 import h3_core
 from h3_core import CheckpointError, H3Error, PickleCheckpointError, load_audio_vae
-from h3_core.audio_vae import PUBLISHED_LATENTS_MEAN, PUBLISHED_LATENTS_STD, WEIGHT_NORM_MODULES
+from h3_core.models.audio_vae import PUBLISHED_LATENTS_MEAN, PUBLISHED_LATENTS_STD, WEIGHT_NORM_MODULES
 
 TOL = 1e-5
 

@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import h3_core
-from h3_core.chunking import (FUSED, ChunkingBackend, ChunkingError, ChunkingPolicy, EveryNChunks, RowChunks,
+from h3_core.runtime import (FUSED, ChunkingBackend, Platform, ChunkingError, ChunkingPolicy, EveryNChunks, RowChunks,
                               chunk_rows_for_budget, projection_elements_per_row)
-from h3_core.config import NUM_MODALITIES, H3DiTConfig
+from h3_core.models.dit_config import NUM_MODALITIES, H3DiTConfig
 from h3_fixtures import TINY, cast_like_release, packed_inputs, reference_model, rel_l2, save_comfy
 
 # text 9 (2 keyframe vision rows), 2 keyframes + 5 target frames of 4 x 5 patches, 13 audio latents per channel:
@@ -281,7 +281,7 @@ def test_chunked_block_temporaries_scale_with_the_chunk(model, inputs, chunk_siz
 
 
 H3 = H3DiTConfig()  # the released 33B shapes
-CPU, CUDA, MPS = (ChunkingBackend.for_device(d) for d in ("cpu", "cuda", "mps"))
+CPU, CUDA, MPS = (Platform(d).chunking for d in ("cpu", "cuda", "mps"))
 
 
 def test_no_budget_means_fused_except_where_the_backend_forbids_it():

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
 from h3_core.pipeline import H3Pipeline, resolve_model
-from h3_core.tiny_default import ensure_tiny_model
+from h3_core.pipeline.tiny_default import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
@@ -191,7 +191,7 @@ def test_out_of_memory_inside_a_block(tiny, monkeypatch):
 
 
 def test_cli_ctrl_c_exits_cleanly(tiny, monkeypatch, capsys):
-    from h3_core import cli
+    from h3_core.pipeline import cli
 
     released = []
     monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))

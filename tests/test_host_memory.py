@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from h3_core.config import H3DiTConfig
+from h3_core.models.dit_config import H3DiTConfig
 from offload_fixtures import random_state, save_native
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ import ctypes, json, sys
 sys.path.insert(0, "tests")
 import torch
 import h3_core
-from h3_core.config import H3DiTConfig
+from h3_core.models.dit_config import H3DiTConfig
 from h3_fixtures import packed_inputs
 
 def rss_anon():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3_core import layout as L
+from h3_core.pipeline import layout as L
 from h3_core.errors import H3Error
-from h3_core.sampler import row_timesteps
+from h3_core.pipeline.sampler import row_timesteps
 
 mp = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.modular_pipeline")
 bd = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.before_denoise")

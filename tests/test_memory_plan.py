@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from h3_core.memory_plan import MemoryBudgetError, plan_for_budget
-from h3_core.safetensors_io import SafetensorsFile
+from h3_core.pipeline.planning import MemoryBudgetError, plan_for_budget
+from h3_core.checkpoints.safetensors_io import SafetensorsFile
 from h3_core.pipeline import H3Pipeline, plan_components, resolve_model
-from h3_core.tiny_default import ensure_tiny_model
+from h3_core.pipeline.tiny_default import ensure_tiny_model
 
 REQUEST = dict(width=96, height=64, num_frames=39)
 
@@ -40,7 +40,7 @@ def _header(path):
 def transformer_dominated(monkeypatch):
     """Shrink the other phases' estimates so that the transformer decides the budget (at real sizes it does; the tiny
     model's VAEs and text-encoder embedding are large next to its 0.9 MB DiT)."""
-    import h3_core.memory_plan as mp
+    import h3_core.pipeline.planning as mp
 
     real_text, real_vaes = mp._text_encoder_estimate, mp._vae_estimates
 

@@ -152,7 +152,7 @@ def test_memory_settings_become_h3_core_loader_options(pack):
 
 
 def test_loader_refuses_resident_components_on_mps_before_anything_runs(pack):
-    from h3_core.admission import AdmissionError
+    from h3_core.runtime import AdmissionError
 
     loader = pack["H3StreamLoader"]
     verdict = loader.validate_inputs("LAYERWISE_OFFLOAD", "RESIDENT", "RESIDENT", "LAYERWISE_OFFLOAD", "mps")
@@ -188,7 +188,7 @@ def test_prompt_validation_marks_the_loader_red_on_mps(pack):
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     import folder_paths
     from h3_core.errors import CheckpointError, H3Error
-    from h3_core.tiny_default import ensure_tiny_model
+    from h3_core.pipeline.tiny_default import ensure_tiny_model
 
     model_sources = comfy_double.pack_module("nodes.model_sources")
 
@@ -245,7 +245,7 @@ def test_tiny_model_has_no_ref2va_partition(pack):
 
 
 def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
-    from h3_core.media import audio_samples_for_frames
+    from h3_core.pipeline.media import audio_samples_for_frames
 
     handle = load(pack)
     cond = encode(pack, handle)
@@ -298,7 +298,7 @@ def test_offloaded_text_encoder_is_released_before_sampling_and_resident_one_kep
         loaded.append(weakref.ref(encoder))
         return encoder
 
-    monkeypatch.setattr(h3_core, "load_text_encoder", counting_loader)
+    monkeypatch.setattr(h3_core.pipeline.pipeline, "load_text_encoder", counting_loader)
     offloaded = load(pack)
     encode(pack, offloaded)
     gc.collect()

@@ -17,7 +17,7 @@ from PIL import Image
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
 from h3_core.pipeline import H3Pipeline, ModelSources, is_repo_id, resolve_model
-from h3_core.tiny_default import ensure_tiny_model, write_tiny_model
+from h3_core.pipeline.tiny_default import ensure_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,7 +129,7 @@ def test_sampling_loop_matches_the_reference_denoise_loop(tiny):
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
     from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3DenoiseStep
     from h3_fixtures import TINY, reference_model, save_comfy
-    from h3_core.sampler import Schedule, denoise
+    from h3_core.pipeline.sampler import Schedule, denoise
 
     reference = reference_model(TINY, seed=11)
     path = save_comfy(reference, TINY, tiny.parent / "loop_parity.safetensors")
@@ -254,7 +254,7 @@ def test_cli_readme_command_writes_an_mp4(tiny, tiny_cache, tmp_path):
                 "--out", "out.mp4"], tiny_cache, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "tiny random model" in done.stdout and "peak host memory" in done.stdout
-    from h3_core.media import have_pyav
+    from h3_core.pipeline.media import have_pyav
 
     if have_pyav():
         import av
@@ -271,7 +271,7 @@ def test_cli_readme_command_writes_an_mp4(tiny, tiny_cache, tmp_path):
 
 
 def test_cli_png_and_wav_fallback(tiny, tiny_cache, tmp_path):
-    from h3_core.media import save_generation
+    from h3_core.pipeline.media import save_generation
     import soundfile
 
     written = save_generation(tmp_path / "clip.mp4", torch.rand(5, 32, 64, 3), torch.rand(2, 9000) * 2 - 1,

@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 
 import h3_core
-from h3_core.host_store import HostTensor, PinBudget, PinnedSlab, page_aligned_bytes, plan_slab, PAGE_SIZE
-from h3_core.offload_backends import AsyncBackend, DeviceOps, SynchronousBackend
-from h3_core.residency import (AllResident, BlockHooks, LayerwiseOffloadManager, Residency, ResidencyError, SlotState,
+from h3_core.runtime.host_store import HostTensor, PinBudget, PinnedSlab, page_aligned_bytes, plan_slab, PAGE_SIZE
+from h3_core.runtime import AsyncBackend, Platform, SynchronousBackend
+from h3_core.runtime import (AllResident, BlockHooks, LayerwiseOffloadManager, Residency, ResidencyError, SlotState,
                                SlotStateError, SlotTable)
 from h3_fixtures import packed_inputs
 from offload_fixtures import SMALL, random_dit, random_state, same_outputs, save_comfy, save_diffusers, save_native
@@ -390,10 +390,12 @@ def test_bad_residency_options_raise_one_error_naming_the_value(checkpoints, opt
 # ---- the synchronous backend's memory-reclaim policy ----------------------------------------------------------------
 
 
-class RecordingOps(DeviceOps):
+class RecordingPlatform(Platform):
+    """The CPU platform, recording the reclaim calls the backend makes through it."""
+
     def __init__(self):
-        super().__init__(torch.device("cpu"))
-        self.calls = []
+        super().__init__("cpu")
+        object.__setattr__(self, "calls", [])
 
     def synchronize(self):
         self.calls.append("synchronize")
@@ -407,12 +409,12 @@ def test_reclaim_synchronizes_then_empties_the_cache_every_n_releases():
     assert SynchronousBackend("cpu").reclaim_every == 0
     model = random_dit(SMALL)
     backend = SynchronousBackend("cpu", reclaim_every=2)
-    backend.ops = RecordingOps()
+    backend.platform = RecordingPlatform()
     manager = LayerwiseOffloadManager(backend, prefetch=0).attach(model.blocks)
     for i in range(5):
         manager.acquire(i)
         manager.release(i)
-    assert backend.ops.calls == ["synchronize", "empty_cache"] * 2
+    assert backend.platform.calls == ["synchronize", "empty_cache"] * 2
     assert manager.stats().extra["reclaims"] == 2
     with pytest.raises(ResidencyError, match="reclaim_every"):
         SynchronousBackend("cpu", reclaim_every=-1)

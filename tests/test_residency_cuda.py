@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import h3_core
-from h3_core.host_store import PinBudget
-from h3_core.offload_backends import AsyncBackend
-from h3_core.residency import LayerwiseOffloadManager, SlotState
+from h3_core.runtime.host_store import PinBudget
+from h3_core.runtime import AsyncBackend
+from h3_core.runtime import LayerwiseOffloadManager, SlotState
 from h3_fixtures import packed_inputs
 from offload_fixtures import SMALL, random_state, save_native
 
@@ -82,7 +82,7 @@ def test_poisoning_a_released_slot_does_not_change_outputs(native, inputs, refer
     class PoisoningBackend(AsyncBackend):
         def unload(self, slot):
             super().unload(slot)
-            with self.ops.on_stream(self.copy_stream):
+            with self.platform.on_stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free_events[slot])
                 self.buffers[slot].fill_(255)  # every float or bf16 read from it is NaN
 
@@ -101,7 +101,7 @@ def test_the_poison_reaches_the_output_when_release_does_not_wait_for_compute(na
         def unload(self, slot):  # the bug the events exist to prevent: the free event ignores the compute stream
             self.free_events[slot].record(self.copy_stream)
             self._free_recorded[slot] = True
-            with self.ops.on_stream(self.copy_stream):
+            with self.platform.on_stream(self.copy_stream):
                 self.copy_stream.wait_event(self.free_events[slot])
                 self.buffers[slot].fill_(255)
 

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 import h3_core
-from h3_core.admission import AdmissionError
-from h3_core.residency import AllResident, PhaseScopedWeights, Residency, ResidencyError
-from h3_core.safetensors_io import SafetensorsFile
-from h3_core.text_encoder import TextEncoder, TextEncoderConfig
-from h3_core.tiny_default import write_tiny_tokenizer
+from h3_core.runtime import AdmissionError
+from h3_core.runtime import AllResident, PhaseScopedWeights, Residency, ResidencyError
+from h3_core.checkpoints.safetensors_io import SafetensorsFile
+from h3_core.models.text_encoder import TextEncoder, TextEncoderConfig
+from h3_core.pipeline.tiny_default import write_tiny_tokenizer
 from residency_probe import MaterialisationCensus, UnitProbe, is_materialised
 
 LAYERS = 5

@@ -15,11 +15,11 @@ import torch
 from safetensors.torch import save_file
 
 import h3_core
-from h3_core.admission import AdmissionError
-from h3_core.audio_vae import WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig
-from h3_core.residency import AllResident, PhaseScopedWeights, Residency, ResidencyError
-from h3_core.safetensors_io import SafetensorsFile
-from h3_core.video_vae import VideoVAE, VideoVAEConfig
+from h3_core.runtime import AdmissionError
+from h3_core.models.audio_vae import WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig
+from h3_core.runtime import AllResident, PhaseScopedWeights, Residency, ResidencyError
+from h3_core.checkpoints.safetensors_io import SafetensorsFile
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 from residency_probe import UnitProbe, is_materialised
 
 VIDEO_BLOCKS = 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h3_core.errors import H3Error
-from h3_core.sampler import Schedule, euler_step, initial_noise, noise_condition, sigma_schedule
+from h3_core.pipeline.sampler import Schedule, euler_step, initial_noise, noise_condition, sigma_schedule
 
 diffusers = pytest.importorskip("diffusers")
 

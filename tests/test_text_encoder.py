@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 from h3_core import load_text_encoder
 from h3_core.errors import CheckpointError, H3Error, PickleCheckpointError
-from h3_core.safetensors_io import SafetensorsFile
-from h3_core.vision_tower import ImageProcessorConfig, fit_to_patch_grid, prepare_image
+from h3_core.checkpoints.safetensors_io import SafetensorsFile
+from h3_core.models.vision_tower import ImageProcessorConfig, fit_to_patch_grid, prepare_image
 from text_encoder_fixtures import (
     IMAGE_PAD_ID, TINY_TEXT_CONFIG, comfy_state, reference_config, reference_image_processor, reference_model,
     reference_states, relative_l2, write_comfy, write_official, write_partition,
@@ -197,7 +197,7 @@ RELEASED_CONFIG = {
 def test_defaults_are_the_released_model():
     from transformers import Qwen3VLConfig
 
-    from h3_core.text_encoder import TextEncoder, TextEncoderConfig
+    from h3_core.models.text_encoder import TextEncoder, TextEncoderConfig
 
     ours = TextEncoderConfig.from_hf_dict(RELEASED_CONFIG)
     assert ours == TextEncoderConfig()  # what a ComfyUI single file (no config) assumes
@@ -221,8 +221,8 @@ def test_released_sizes_are_read_from_comfy_shapes():
     """The ComfyUI repack has no config: the released 32B sizes must come back from its tensor shapes alone."""
     from dataclasses import replace
 
-    from h3_core.text_encoder import TextEncoder, TextEncoderConfig
-    from h3_core.text_encoder_loader import _config_from_shapes
+    from h3_core.models.text_encoder import TextEncoder, TextEncoderConfig
+    from h3_core.checkpoints.text_encoder_loader import _config_from_shapes
 
     with torch.device("meta"):
         model = TextEncoder(TextEncoderConfig(), 50)

@@ -8,7 +8,7 @@ import pytest
 
 from h3_core import H3Tokenizer
 from h3_core.errors import CheckpointError, H3Error
-from h3_core.tokenizer import picture_label
+from h3_core.models.tokenizer import picture_label
 from text_encoder_fixtures import H3_FIRST_ID, H3_TOKENS, QWEN_FIRST_SPECIAL_ID, write_tiny_tokenizer
 
 PROMPTS = [

@@ -13,8 +13,8 @@ from vae_fixtures import (one_error as _one_error, LiveTensorBytes, reference_au
                           save_video_comfy, save_video_diffusers, save_video_native)
 
 import h3_core
-from h3_core import CheckpointError, H3Error, PickleCheckpointError, load_video_vae
-from h3_core.video_vae import (PUBLISHED_LATENTS_MEAN, PUBLISHED_LATENTS_STD, DecodeAutocast, DecoderAttention,
+from h3_core import CheckpointError, H3Error, PickleCheckpointError, Platform, load_video_vae
+from h3_core.models.video_vae import (PUBLISHED_LATENTS_MEAN, PUBLISHED_LATENTS_STD, DecodeAutocast, DecoderAttention,
                                DecoderBlock, split_tiles)
 
 TOL = 1e-5
@@ -253,13 +253,15 @@ def test_decoder_blocks_and_attention_are_single_points(decode_vae, monkeypatch)
     assert calls == [1 * 2 * 2 + 5] * len(blocks)  # tokens = latent voxels + 4 registers + 1 zero token
 
 
-def test_decode_autocast_is_cuda_only():
-    assert DecodeAutocast.for_device("cpu").dtype is None
-    assert DecodeAutocast.for_device("mps").dtype is None
-    assert DecodeAutocast.for_device("cuda").dtype == torch.float16
-    assert DecodeAutocast.for_device("cuda", enabled=False).dtype is None
+def test_decode_autocast_is_cuda_only(checkpoints):
+    assert Platform("cpu").decode_autocast_dtype() is None
+    assert Platform("mps").decode_autocast_dtype() is None
+    assert Platform("cuda").decode_autocast_dtype() == torch.float16
+    assert Platform("cuda").decode_autocast_dtype(enabled=False) is None
     with pytest.raises(H3Error, match="CUDA-only"):
-        DecodeAutocast.for_device("mps", enabled=True)
+        Platform("mps").decode_autocast_dtype(enabled=True)
+    with pytest.raises(H3Error, match="CUDA-only"):
+        h3_core.load_video_vae(checkpoints["comfy"], decode_autocast=True)
 
 
 def test_decode_under_autocast_keeps_the_fp32_islands(checkpoints):

@@ -152,8 +152,8 @@ def executor(tmp_path_factory):
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
 def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     from comfy_double.core_nodes import SAVED
-    from h3_core.layout import frames_for_seconds
-    from h3_core.media import audio_samples_for_frames
+    from h3_core.pipeline.layout import frames_for_seconds
+    from h3_core.pipeline.media import audio_samples_for_frames
 
     prompt = json.loads(path.read_text())
     SAVED.clear()

@@ -1,0 +1,152 @@
+"""Checkpoint plumbing shared by every loader: how a model tensor is made from stored tensors, the row
+permutations the released layouts need, and the strict key / shape / dtype check."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..errors import CheckpointError, PickleCheckpointError
+from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile
+
+
+@dataclass
+class WeightSpec:
+    """How one model tensor is made from checkpoint tensors: `combine(*[file.tensor(k) for k in keys])`."""
+
+    name: str
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    combine: Callable[..., torch.Tensor] | None = None
+
+
+def deinterleave_rows(heads: int, head_dim: int):
+    """Fused QKV stored per head `[head0: q k v, head1: q k v, ...]` (weight rows or bias entries) -> the logical
+    `[q_all; k_all; v_all]` the models hold."""
+    def combine(tensor: torch.Tensor) -> torch.Tensor:
+        rest = tensor.shape[1:]
+        return tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
+    return combine
+
+
+def cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat(tensors, dim=0)
+
+
+def swap_halves(tensor: torch.Tensor) -> torch.Tensor:
+    """`[a; b]` -> `[b; a]` along the rows: the SwiGLU input projection's half order differs between layouts."""
+    first, second = tensor.chunk(2, dim=0)
+    return torch.cat((second, first), dim=0)
+
+
+def expected_shapes(specs) -> dict[str, tuple[int, ...]]:
+    expected: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        expected.update(zip(spec.keys, spec.shapes))
+    return expected
+
+
+def check_tensors(source: Path, files: Mapping[str, SafetensorsFile], expected: Mapping[str, tuple[int, ...]],
+                  describe: str, *, ignore: Callable[[str], bool] = lambda key: False,
+                  dtype_ok: Callable[[torch.dtype], bool] = lambda dtype: dtype.is_floating_point,
+                  dtype_rule: str = "must be floating point (bf16, fp16 or fp32). Quantised integer variants are not "
+                                    "supported") -> None:
+    """Every expected key present with its shape and an accepted dtype, and no unknown key (`ignore` aside): one
+    `CheckpointError` naming the file and key otherwise. `describe` says what the checkpoint was expected to be."""
+    missing = [k for k in expected if k not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"{source}: missing key '{missing[0]}'{more}, expected shape {list(expected[missing[0]])} for {describe}. "
+            "The checkpoint is incomplete or of another model; download it again.",
+            path=source, key=missing[0])
+    unexpected = sorted(k for k in files if k not in expected and not ignore(k))
+    if unexpected:
+        key = unexpected[0]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise CheckpointError(
+            f"{files[key].path}: unexpected key '{key}'{more} for {describe}; the file belongs to another model or "
+            "its config does not match it.", path=files[key].path, key=key)
+    for key, shape in expected.items():
+        file = files[key]
+        if file.shape(key) != shape:
+            raise CheckpointError(
+                f"{file.path}: tensor '{key}' has shape {list(file.shape(key))}, expected {list(shape)} for "
+                f"{describe}; the config and the weights do not match.", path=file.path, key=key)
+        if not dtype_ok(file.dtype(key)):
+            raise CheckpointError(
+                f"{file.path}: tensor '{key}' has dtype {str(file.dtype(key)).replace('torch.', '')}; {dtype_rule}.",
+                path=file.path, key=key)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: cannot read JSON ({exc}).", path=path) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object.", path=path)
+    return data
+
+def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
+    """Map every tensor key of `<stem>*.safetensors` in `folder` (through the index when there is one) to its file."""
+    index_path = folder / f"{stem}.safetensors.index.json"
+    files: dict[str, SafetensorsFile] = {}
+    if index_path.is_file():
+        weight_map = read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index_path}: no 'weight_map' object; the index is corrupt.", path=index_path)
+        opened: dict[str, SafetensorsFile] = {}
+        for key, shard in weight_map.items():
+            shard_path = folder / str(shard)
+            if Path(str(shard)).name != str(shard):
+                raise CheckpointError(f"{index_path}: shard name {shard!r} for key '{key}' must be a plain file name "
+                                      "inside the checkpoint folder.", path=index_path, key=key)
+            if shard not in opened:
+                if not shard_path.is_file():
+                    raise CheckpointError(
+                        f"{index_path}: names shard '{shard}' (for key '{key}'), which is missing from {folder}. "
+                        "Download the missing shard or the whole folder again.",
+                        path=shard_path,
+                        key=key,
+                    )
+                opened[shard] = SafetensorsFile(shard_path)
+            if key not in opened[shard]:
+                raise CheckpointError(
+                    f"{shard_path}: the index says it holds '{key}' but it does not; the shard or the index is from a "
+                    "different download.",
+                    path=shard_path,
+                    key=key,
+                )
+            files[key] = opened[shard]
+        return files
+    paths = sorted(folder.glob(f"{stem}*.safetensors"))
+    if not paths:
+        pickles = [p.name for p in folder.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES]
+        if pickles:
+            raise PickleCheckpointError(
+                f"{folder}: holds only pickle checkpoints ({', '.join(sorted(pickles)[:3])}); h3-stream reads "
+                "safetensors only. Download the safetensors release.",
+                path=folder,
+            )
+        raise CheckpointError(f"{folder}: no {stem}*.safetensors files.", path=folder)
+    for path in paths:
+        shard = SafetensorsFile(path)
+        for key in shard:
+            if key in files:
+                raise CheckpointError(f"{path}: key '{key}' also appears in {files[key].path}.", path=path, key=key)
+            files[key] = shard
+    return files
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = tensor
+    else:
+        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)

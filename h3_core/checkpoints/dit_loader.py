@@ -1,0 +1,364 @@
+"""Load the H3 DiT from any of its three checkpoint layouts.
+
+* **diffusers** folder: `config.json` (`MiniMaxH3Transformer3DModel`), `diffusion_pytorch_model*.safetensors`
+  (+ `.index.json`); separate `to_q/to_k/to_v`, feed-forward input rows stored `[up; gate]`.
+* **native** folder (original FL2VA / Ref2VA release): `config.json` (`MiniMaxH3DiTModel`), `model*.safetensors`
+  (+ `model.safetensors.index.json`); fused QKV stored per head interleaved, `fc1` stored `[gate; up]`,
+  `rope.inv_freq` shipped.
+* **comfy** single `.safetensors` (ComfyUI repack): native names, optionally prefixed `model.diffusion_model.`, QKV
+  already in logical order, config read from the tensor shapes.
+
+Tensors come from memory maps (see `safetensors_io`); every key, shape and dtype is checked before anything is
+placed, and each problem raises one `CheckpointError` naming the file and key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from ..runtime.admission import ComponentPlan, check_admission
+from ..runtime.platform import Platform
+from ..runtime.chunking import ChunkingPolicy
+from .checkpoint import (WeightSpec, cat_rows, check_tensors, deinterleave_rows, expected_shapes, open_folder_files,
+                         read_json, set_tensor, swap_halves)
+from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
+from ..models.dit import H3DiT, RotaryEmbedding3D
+from ..errors import CheckpointError
+from ..runtime.host_store import HostTensor
+from ..runtime.offload_backends import SynchronousBackend
+from ..runtime.layerwise import LayerwiseOffloadManager, layerwise_manager
+from ..runtime.phase_scoped import PhaseScopedWeights
+from ..runtime.residency import Residency
+from .safetensors_io import SafetensorsFile, refuse_pickle
+
+COMFY_PREFIX = "model.diffusion_model."
+# Parameters kept float32 whatever dtype is requested: the released checkpoint's fp32 islands.
+FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
+                "final_layer.audio_out.", "rope.")
+LAYOUTS = ("diffusers", "native", "comfy")
+
+
+@dataclass
+class DiTCheckpoint:
+    """A resolved, validated checkpoint: its layout, config, and where every source key lives."""
+
+    source: Path
+    layout: str
+    config: H3DiTConfig
+    files: dict[str, SafetensorsFile]  # source key -> file
+    specs: list[WeightSpec]
+
+    def weight(self, spec: WeightSpec) -> torch.Tensor:
+        tensors = [self.files[k].tensor(k) for k in spec.keys]
+        return spec.combine(*tensors) if spec.combine else tensors[0]
+
+    @property
+    def paths(self) -> list[Path]:
+        return sorted({f.path for f in self.files.values()})
+
+
+# ---- key plans ------------------------------------------------------------------------------------------------------
+
+
+def _diffusers_block_key(sub: str) -> str:
+    renames = {
+        "attn.q_norm.weight": "attn.norm_q.weight",
+        "attn.k_norm.weight": "attn.norm_k.weight",
+        "attn.out_proj.weight": "attn.to_out.0.weight",
+        "mlp.fc1.weight": "ff.net.0.proj.weight",
+        "mlp.fc2.weight": "ff.net.2.weight",
+    }
+    return renames.get(sub, sub)
+
+
+_DIFFUSERS_GLOBALS = {
+    "video_patch_proj.": "proj_in.",
+    "audio_patch_proj.": "audio_proj_in.",
+    "condition_proj.": "context_embedder.",
+    "time_embedder.proj_in.": "time_embedder.linear_1.",
+    "time_embedder.proj_out.": "time_embedder.linear_2.",
+    "final_layer.norm.": "norm_out.norm.",
+    "final_layer.adaln_proj.linear.": "norm_out.linear.",
+    "final_layer.video_out.": "proj_out.",
+    "final_layer.audio_out.": "audio_proj_out.",
+    "token_refiner.final_norm.": "token_refiner.final_norm.",
+}
+
+
+def _expected_tensors(config: H3DiTConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter and persistent buffer of the model with its shape."""
+    with torch.device("meta"):
+        model = H3DiT(config)
+    out = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    out.update({name: tuple(b.shape) for name, b in model.named_buffers()})
+    return out
+
+
+def _plan(layout: str, config: H3DiTConfig, prefix: str = "") -> list[WeightSpec]:
+    c = config
+    specs = []
+    for name, shape in _expected_tensors(config).items():
+        if name == "rope.inv_freq" and layout != "native":
+            continue  # recomputed from rope_theta; only the native release ships it
+        if layout in ("native", "comfy"):
+            combine = None
+            if layout == "native" and name.endswith("attn.qkv_proj.weight"):
+                combine = deinterleave_rows(c.num_attention_heads, c.attention_head_dim)
+            specs.append(WeightSpec(name, (prefix + name,), (shape,), combine))
+            continue
+        # diffusers
+        if name.startswith("blocks.") or name.startswith("token_refiner.blocks."):
+            head, _, rest = name.partition(".blocks.") if name.startswith("token_refiner.") else ("", "", name[7:])
+            index, _, sub = rest.partition(".")
+            base = (f"token_refiner.refiner_blocks.{index}." if head else f"transformer_blocks.{index}.")
+            if sub == "attn.qkv_proj.weight":
+                part = (c.inner_dim, c.hidden_size)
+                specs.append(WeightSpec(name, tuple(base + f"attn.to_{x}.weight" for x in "qkv"), (part,) * 3,
+                                        cat_rows))
+            elif sub == "mlp.fc1.weight":
+                specs.append(WeightSpec(name, (base + _diffusers_block_key(sub),), (shape,), swap_halves))
+            else:
+                specs.append(WeightSpec(name, (base + _diffusers_block_key(sub),), (shape,)))
+            continue
+        for ours, theirs in _DIFFUSERS_GLOBALS.items():
+            if name.startswith(ours):
+                specs.append(WeightSpec(name, (theirs + name[len(ours):],), (shape,)))
+                break
+        else:  # pragma: no cover - the model and this table are kept in step by the tests
+            raise AssertionError(f"no diffusers key for {name}")
+    return specs
+
+
+# ---- reading a source -------------------------------------------------------------------------------------------------
+
+
+def _not_a_transformer(path: Path, keys) -> CheckpointError:
+    sample = sorted(keys)[:3]
+    hint = ""
+    joined = " ".join(sample)
+    if any(k.startswith(("decoder.", "encoder.", "quant_conv", "post_quant")) for k in keys):
+        hint = " It looks like a VAE checkpoint; pass it to load_video_vae / load_audio_vae instead."
+    elif any(k.startswith(("model.layers.", "model.language_model.", "visual.", "language_model.")) for k in keys):
+        hint = " It looks like a text encoder checkpoint; pass it to load_text_encoder instead."
+    return CheckpointError(
+        f"{path}: not an H3 transformer checkpoint: no 'blocks.N...' / 'transformer_blocks.N...' keys (found "
+        f"{joined or 'no tensors'}{' ...' if len(keys) > 3 else ''}).{hint}",
+        path=path,
+    )
+
+
+def _config_from_shapes(path: Path, shape: Callable[[str], tuple[int, ...] | None]) -> H3DiTConfig:
+    def need(key):
+        s = shape(key)
+        if s is None:
+            raise CheckpointError(f"{path}: missing key '{key}', needed to read the model size; the file is not a "
+                                  "complete H3 transformer.", path=path, key=key)
+        return s
+
+    hidden, patch_dim = need("video_patch_proj.weight")
+    head_dim = need("blocks.0.attn.q_norm.weight")[0]
+    inner = need("blocks.0.attn.out_proj.weight")[1]
+    t_hidden, freq_dim = need("time_embedder.proj_in.weight")
+    inv_freq = shape("rope.inv_freq")
+    try:
+        return H3DiTConfig(
+            num_layers=_count(shape, "blocks."),
+            num_refiner_layers=_count(shape, "token_refiner.blocks."),
+            hidden_size=hidden,
+            num_attention_heads=inner // head_dim,
+            attention_head_dim=head_dim,
+            ffn_dim=need("blocks.0.mlp.fc2.weight")[1],
+            in_channels=patch_dim // 4,
+            audio_in_channels=need("audio_patch_proj.weight")[1],
+            text_dim=need("condition_proj.weight")[1],
+            freq_dim=freq_dim,
+            time_embed_hidden_dim=t_hidden,
+            time_embed_dim=need("time_embedder.proj_out.weight")[0],
+            # Not recoverable from shapes unless shipped; the released model rotates 3/4 of each head (16 of 128 / 8).
+            rope_freq_dim=inv_freq[0] if inv_freq else head_dim // 8,
+        )
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: tensor shapes do not form an H3 transformer: {exc}", path=path) from None
+
+
+def _count(shape, prefix: str) -> int:
+    n = 0
+    while shape(f"{prefix}{n}.norm1.weight") is not None:
+        n += 1
+    return n
+
+
+def resolve_dit_checkpoint(source: str | os.PathLike) -> DiTCheckpoint:
+    """Find the layout of `source`, read its config and open (but do not read) its tensors."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder. Give a diffusers or native transformer folder or a "
+                              "ComfyUI .safetensors file.", path=path)
+    refuse_pickle(path)
+    if path.is_file():
+        if path.suffix.lower() != ".safetensors":
+            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
+        return _resolve_comfy(path)
+    folder = path
+    if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
+        folder = folder / "transformer"  # the root of a partition or of the official repo
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{folder}: not an H3 transformer folder: no config.json. Expected a diffusers folder (config.json + "
+            "diffusion_pytorch_model*.safetensors), a native release folder (config.json + model*.safetensors) or "
+            "a ComfyUI .safetensors file.",
+            path=folder,
+        )
+    raw = read_json(config_path)
+    class_name = raw.get("_class_name")
+    if class_name == DIFFUSERS_CLASS_NAME:
+        layout, stem = "diffusers", "diffusion_pytorch_model"
+    elif class_name == NATIVE_CLASS_NAME:
+        layout, stem = "native", "model"
+    else:
+        raise CheckpointError(
+            f"{config_path}: _class_name is {class_name!r}, not an H3 transformer ('{DIFFUSERS_CLASS_NAME}' or "
+            f"'{NATIVE_CLASS_NAME}'). Point at the transformer/ folder of an H3 download.",
+            path=config_path,
+            key="_class_name",
+        )
+    config = H3DiTConfig.from_dict(raw, source=config_path)
+    files = open_folder_files(folder, stem)
+    return _check(DiTCheckpoint(folder, layout, config, files, _plan(layout, config)))
+
+
+def _resolve_comfy(path: Path) -> DiTCheckpoint:
+    file = SafetensorsFile(path)
+    keys = file.keys()
+    prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
+    if any(k.endswith("adaln_t_table") for k in keys):
+        raise CheckpointError(
+            f"{path}: this is a 'pruned' ComfyUI variant (adaln_t_table replaces the time MLP); it approximates the "
+            "released model and is not supported. Use minimax_h3_fl2va_bf16 / minimax_h3_ref2va_bf16.",
+            path=path,
+            key="adaln_t_table",
+        )
+    if not any(k.startswith(prefix + "blocks.") for k in keys):
+        raise _not_a_transformer(path, keys)
+
+    def shape(key):
+        key = prefix + key
+        return file.shape(key) if key in file else None
+
+    config = _config_from_shapes(path, shape)
+    files = {k: file for k in keys}
+    return _check(DiTCheckpoint(path, "comfy", config, files, _plan("comfy", config, prefix)))
+
+
+def _check(ckpt: DiTCheckpoint) -> DiTCheckpoint:
+    """Strict key, shape and dtype checks; one error naming the file and key."""
+    expected = expected_shapes(ckpt.specs)
+    present = set(ckpt.files)
+    missing = [k for k in expected if k not in present]
+    if missing and not any(k.startswith(("blocks.", "transformer_blocks.", COMFY_PREFIX + "blocks."))
+                           for k in present):
+        raise _not_a_transformer(ckpt.source, present)
+    allowed_extra = {"rope.inv_freq", COMFY_PREFIX + "rope.inv_freq"} if ckpt.layout == "comfy" else set()
+    check_tensors(ckpt.source, ckpt.files, expected,
+                  f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer", ignore=allowed_extra.__contains__,
+                  dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants are "
+                             "not supported")
+    return ckpt
+
+
+# ---- building the module --------------------------------------------------------------------------------------------
+
+
+def _is_island(name: str) -> bool:
+    return name.startswith(FP32_ISLANDS)
+
+
+def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """dtype=None keeps the checkpoint's dtypes; otherwise everything but the fp32 islands is cast to `dtype`."""
+    if name == "rope.inv_freq" or (dtype is not None and _is_island(name)):
+        return torch.float32
+    return stored if dtype is None else dtype
+
+
+_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget")
+# With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
+PHASE_SCOPED = {"text": ("condition_proj.", "token_refiner.")}
+
+
+def _offloaded(name: str) -> bool:
+    return name.startswith("blocks.") or any(name.startswith(p) for ps in PHASE_SCOPED.values() for p in ps)
+
+
+def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
+             residency: Residency | str = Residency.RESIDENT,
+             prefetch: int | None = None,
+             resident_blocks: int | list[int] | None = None,
+             **options) -> H3DiT:
+    """Load the H3 transformer from a diffusers folder, a native release folder or a ComfyUI single file.
+
+    `dtype=None` keeps the checkpoint's dtypes (bf16 with fp32 islands for the released weights); a dtype casts
+    everything except the fp32 islands (patch projections, time MLP, output heads). On the CPU with the stored dtype
+    the parameters are the memory-mapped file pages themselves (no copy).
+
+    `residency="layerwise"` keeps the blocks in a host store (the memory maps themselves on CPU/MPS: no copy and no
+    QKV de-interleave at load; pinned slabs on CUDA) and materialises at most `prefetch + 1` of them on the device
+    during a forward (`prefetch` default 0, 1 on CUDA); `resident_blocks` (the first N, or indices) stay on the
+    device; the text refiner and condition projection are materialised only for the text phase of each forward.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
+    chunking = ChunkingPolicy(options.get("chunk_size"), options.get("memory_budget"))  # checked before any reading
+    device = torch.device(device)
+    mode = Residency.parse(residency)
+    check_admission({"transformer": ComponentPlan(mode, str(device))}, Platform.for_device(device))
+    layerwise = mode is Residency.LAYERWISE_OFFLOAD
+    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
+    ckpt = resolve_dit_checkpoint(source)
+    with torch.device("meta"):
+        model = H3DiT(ckpt.config)
+    recipes: dict[str, HostTensor] = {}
+    for spec in ckpt.specs:
+        if layerwise and _offloaded(spec.name):
+            # Keep the memory-mapped sources; the combine (QKV de-interleave, ...) runs when the block is materialised.
+            sources = tuple(ckpt.files[k].tensor(k) for k in spec.keys)
+            target = target_dtype(spec.name, sources[0].dtype, dtype)
+            recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
+            set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
+            continue
+        weight = ckpt.weight(spec)
+        set_tensor(model, spec.name, weight.to(device=device, dtype=target_dtype(spec.name, weight.dtype, dtype)))
+    if ckpt.layout != "native":
+        c = ckpt.config
+        model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
+    if layerwise:
+        _attach_layerwise(model, recipes, manager, device)
+    model.eval()
+    model.chunking = chunking
+    model.checkpoint_layout = ckpt.layout
+    model.checkpoint_files = ckpt.paths
+    return model
+
+
+def _expected_shape(meta_model: nn.Module, name: str) -> tuple[int, ...]:
+    owner_name, _, leaf = name.rpartition(".")
+    return tuple(getattr(meta_model.get_submodule(owner_name), leaf).shape)
+
+
+def _attach_layerwise(model: H3DiT, recipes: dict[str, HostTensor], manager: LayerwiseOffloadManager,
+                      device: torch.device) -> None:
+    def unit(prefixes: tuple[str, ...]) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in model.named_parameters() if name.startswith(prefixes)}
+
+    blocks = [unit((f"blocks.{i}.",)) for i in range(len(model.blocks))]
+    model.block_residency = manager.attach(blocks, [{n: recipes[n] for n in b} for b in blocks])
+    phases = {phase: unit(prefixes) for phase, prefixes in PHASE_SCOPED.items()}
+    model.weight_phases = PhaseScopedWeights(SynchronousBackend(device), phases,
+                                             {phase: {n: recipes[n] for n in ps} for phase, ps in phases.items()})

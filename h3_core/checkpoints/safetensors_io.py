@@ -1,0 +1,175 @@
+"""Memory-mapped, validated safetensors reading.
+
+Tensors are views into a private (copy-on-write) memory map of the file, so loading never copies the weights into
+anonymous memory: the pages stay file-backed and the OS can evict them. The header is validated before any tensor is
+touched, so a truncated or corrupt file fails with a message naming the file and key instead of a crash.
+Only safetensors are read; pickle-based checkpoints are refused without being opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import CheckpointError, PickleCheckpointError
+
+PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+# A safetensors header is JSON; anything this large is corrupt, not a header.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def refuse_pickle(path: Path) -> None:
+    """Raise if `path` names a pickle-based checkpoint. Never opens the file."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise PickleCheckpointError(
+            f"{path}: '{path.suffix}' checkpoints are pickle files, which can run arbitrary code when loaded; "
+            "h3-stream reads safetensors only. Convert the file to .safetensors (or download the safetensors "
+            "release) and point at that instead.",
+            path=path,
+        )
+
+
+class SafetensorsFile:
+    """One validated `.safetensors` file; `tensor(key)` returns a zero-copy, memory-mapped view."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        refuse_pickle(self.path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file.", path=self.path)
+        self.file_size = self.path.stat().st_size
+        if self.file_size < 8:
+            raise CheckpointError(
+                f"{self.path}: {self.file_size} bytes is too small to be a safetensors file (empty or truncated "
+                "download?). Download it again.",
+                path=self.path,
+            )
+        with open(self.path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            if header_len > self.file_size - 8 or header_len > _MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{self.path}: the safetensors header claims {header_len} bytes but the file holds only "
+                    f"{self.file_size - 8} after the length field; the file is truncated or not a safetensors file. "
+                    "Download it again.",
+                    path=self.path,
+                )
+            raw = handle.read(header_len)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(
+                f"{self.path}: the safetensors header is not valid JSON ({exc}); the file is corrupt or not a "
+                "safetensors file.",
+                path=self.path,
+            ) from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path}: the safetensors header is not a JSON object.", path=self.path)
+        metadata = header.pop("__metadata__", None) or {}
+        self.metadata: dict[str, str] = dict(metadata) if isinstance(metadata, dict) else {}
+        self._data_start = 8 + header_len
+        data_size = self.file_size - self._data_start
+        self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
+        for key, info in header.items():
+            self._entries[key] = self._validate_entry(key, info, data_size)
+        self._storage: torch.UntypedStorage | None = None
+
+    def _validate_entry(self, key, info, data_size):
+        def bad(why):
+            return CheckpointError(f"{self.path}: tensor '{key}': {why}; the file is corrupt.", path=self.path,
+                                   key=key)
+
+        if not isinstance(info, dict) or "dtype" not in info or "shape" not in info or "data_offsets" not in info:
+            raise bad("its header entry lacks dtype, shape or data_offsets")
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise bad(f"unknown dtype {info['dtype']!r}")
+        shape = info["shape"]
+        offsets = info["data_offsets"]
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise bad(f"invalid shape {shape!r}")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        if end > data_size:
+            raise CheckpointError(
+                f"{self.path}: tensor '{key}' ends at byte {end} of the data section but the file holds only "
+                f"{data_size}; the file is truncated. Download it again.",
+                path=self.path,
+                key=key,
+            )
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end - begin != nbytes:
+            raise bad(f"shape {shape} of {info['dtype']} needs {nbytes} bytes but its offsets span {end - begin}")
+        return dtype, tuple(shape), begin, end
+
+    # ---- access ----------------------------------------------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][1]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._entries[key][0]
+
+    def nbytes(self, key: str) -> int:
+        _, _, begin, end = self._entries[key]
+        return end - begin
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """A read-only-by-convention view of `key` backed by the file's private memory map."""
+        dtype, shape, begin, _ = self._entries[key]
+        if self._storage is None:
+            # shared=False maps the file privately: pages are read lazily and stay evictable; a write would copy.
+            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.file_size)
+        offset = self._data_start + begin
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize == 0:
+            return torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+        # Unaligned tensor (possible with a hand-written file): the only case that copies.
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (self.nbytes(key),))
+        return raw.clone().view(dtype).reshape(shape)
+
+
+def first_non_finite(paths) -> tuple[Path, str] | None:
+    """The first (file, key) holding a NaN or Inf value, scanning each tensor once; None if all are finite.
+
+    Reading every page of a large checkpoint is slow, so this runs only after an output came out non-finite, to
+    name the culprit.
+    """
+    for path in paths:
+        file = SafetensorsFile(path)
+        for key in file.keys():
+            if not file.dtype(key).is_floating_point or file.nbytes(key) == 0:
+                continue
+            if not bool(torch.isfinite(file.tensor(key)).all()):
+                return file.path, key
+    return None

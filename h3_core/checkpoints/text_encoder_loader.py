@@ -1,0 +1,455 @@
+"""Load H3's Qwen3-VL text encoder from any of its checkpoint layouts.
+
+* **official** folder (`MiniMaxAI/MiniMax-H3` `text_encoder/`, or the repo root): Hugging Face
+  `Qwen3VLForConditionalGeneration` — `config.json`, `model*.safetensors` (+ `model.safetensors.index.json`), keys
+  `model.language_model.*`, `model.visual.*`, `lm_head.weight` (older exports: `language_model.model.*`, `visual.*`).
+* **partition** folder (original `FL2VA/` / `Ref2VA/` release, or its `text_encoder/`): the same Hugging Face files.
+* **comfy** single `.safetensors` (ComfyUI repack, truncated to 50 layers): `model.layers.N.*`,
+  `model.embed_tokens.weight`, `visual.*`, optionally nested under `text_encoders.qwen3vl_32b.transformer.`; no
+  config, so the sizes are read from the shapes and the rest is Qwen3-VL-32B's unless `config=` says otherwise.
+
+Only the embeddings, decoder layers below `layer` and the vision tower are ever read: the upper layers, the final
+norm and `lm_head` are recognised and left untouched in the memory map. Every required key, shape and dtype is checked
+before anything is placed; each problem raises one `CheckpointError` naming the file and key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from ..runtime.admission import ComponentPlan, check_admission
+from ..runtime.platform import Platform
+from .checkpoint import check_tensors, open_folder_files, read_json
+from ..runtime.chunking import check_chunk_size
+from ..errors import CheckpointError, H3Error
+from ..runtime.host_store import HostTensor
+from ..runtime.layerwise import layerwise_manager
+from ..runtime.residency import Residency
+from .placement import attach_layerwise
+from .safetensors_io import SafetensorsFile, refuse_pickle
+from ..models.text_encoder import LanguageModelConfig, TextEncoder, TextEncoderConfig
+from ..models.tokenizer import TOKENIZER_FILE, H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, H3Tokenizer
+from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
+
+HF_CLASS_NAME = "Qwen3VLForConditionalGeneration"
+# Longest first: "model." alone is the ComfyUI repack's language-model prefix.
+LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.", "language_model.", "model.")
+VISION_PREFIXES = ("model.visual.", "visual.")
+# A ComfyUI combined checkpoint nests the encoder under one of these.
+OUTER_PREFIXES = ("", "text_encoders.qwen3vl_32b.transformer.", "qwen3vl_32b.transformer.")
+# Tensors that only quantised repacks carry (int8 "convrot", NVFP4-AWQ, fp8 scaled, bitsandbytes, GPTQ).
+QUANTISATION_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight", ".scale_input",
+                         ".comfy_quant", ".qweight", ".qzeros", ".absmax", ".quant_map", ".quant_state")
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+# Deep-stack taps of the released Qwen3-VL sizes, keyed by (vision depth, number of deep-stack mergers).
+KNOWN_DEEPSTACK = {(27, 3): (8, 16, 24), (24, 3): (5, 11, 17)}
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+@dataclass
+class TextEncoderCheckpoint:
+    """A resolved, validated checkpoint: layout, config and where every tensor H3 reads lives."""
+
+    source: Path
+    layout: str  # "official", "partition" or "comfy"
+    config: TextEncoderConfig
+    files: dict[str, SafetensorsFile]  # checkpoint key -> file
+    language_prefix: str
+    vision_prefix: str | None
+    num_layers_stored: int
+
+    def key_for(self, name: str) -> str:
+        """Checkpoint key of a `TextEncoder` parameter name."""
+        if name.startswith("language_model."):
+            return self.language_prefix + name[len("language_model."):]
+        if name.startswith("vision_tower.") and self.vision_prefix is not None:
+            return self.vision_prefix + name[len("vision_tower."):]
+        raise KeyError(name)
+
+    @property
+    def paths(self) -> list[Path]:
+        return sorted({f.path for f in self.files.values()})
+
+
+# ---- resolving a source ----------------------------------------------------------------------------------------------
+
+
+def _expected_parameters(config: TextEncoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = TextEncoder(config, layer)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _layer_parameter_names(config: LanguageModelConfig) -> set[str]:
+    with torch.device("meta"):
+        from ..models.text_encoder import DecoderLayer
+
+        return {name for name, _ in DecoderLayer(config).named_parameters()}
+
+
+def _find_prefixes(keys: set[str]) -> tuple[str | None, str | None]:
+    for outer in OUTER_PREFIXES:
+        for prefix in LANGUAGE_PREFIXES:
+            if f"{outer}{prefix}embed_tokens.weight" in keys:
+                vision = next((outer + v for v in VISION_PREFIXES
+                               if any(k.startswith(outer + v) for k in keys)), None)
+                return outer + prefix, vision
+    return None, None
+
+
+def _not_a_text_encoder(path: Path, keys) -> CheckpointError:
+    sample = sorted(keys)[:3]
+    hint = ""
+    if any(k.startswith(("blocks.", "transformer_blocks.", "model.diffusion_model.")) for k in keys):
+        hint = " It looks like an H3 transformer (DiT) checkpoint; pass it to load_dit instead."
+    elif any(k.startswith(("decoder.", "encoder.", "quant_conv", "post_quant")) for k in keys):
+        hint = " It looks like a VAE checkpoint; pass it to load_video_vae / load_audio_vae instead."
+    return CheckpointError(
+        f"{path}: not a Qwen3-VL text encoder checkpoint: no '...embed_tokens.weight' key (found "
+        f"{' '.join(sample) or 'no tensors'}{' ...' if len(keys) > 3 else ''}).{hint}",
+        path=path,
+    )
+
+
+def _count_layers(keys: set[str], prefix: str) -> int:
+    n = 0
+    while f"{prefix}layers.{n}.input_layernorm.weight" in keys:
+        n += 1
+    return n
+
+
+def _shape(files: Mapping[str, SafetensorsFile], key: str, path: Path) -> tuple[int, ...]:
+    if key not in files:
+        raise CheckpointError(f"{path}: missing key '{key}', needed to read the model size; the file is not a "
+                              "complete Qwen3-VL text encoder.", path=path, key=key)
+    return files[key].shape(key)
+
+
+def _config_from_shapes(path: Path, files, language_prefix: str, vision_prefix: str | None,
+                        num_layers: int) -> TextEncoderConfig:
+    """Sizes from the shapes; what shapes cannot tell (norm eps, RoPE, vision heads) is Qwen3-VL-32B's."""
+    lp = language_prefix
+    vocab, hidden = _shape(files, lp + "embed_tokens.weight", path)
+    head_dim = _shape(files, lp + "layers.0.self_attn.q_norm.weight", path)[0]
+    language = dict(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, head_dim=head_dim,
+        intermediate_size=_shape(files, lp + "layers.0.mlp.gate_proj.weight", path)[0],
+        num_attention_heads=_shape(files, lp + "layers.0.self_attn.q_proj.weight", path)[0] // head_dim,
+        num_key_value_heads=_shape(files, lp + "layers.0.self_attn.k_proj.weight", path)[0] // head_dim,
+        attention_bias=f"{lp}layers.0.self_attn.q_proj.bias" in files,
+    )
+    vision = None
+    if vision_prefix is not None:
+        vp = vision_prefix
+        depth = 0
+        while f"{vp}blocks.{depth}.norm1.weight" in files:
+            depth += 1
+        taps = 0
+        while f"{vp}deepstack_merger_list.{taps}.norm.weight" in files:
+            taps += 1
+        if (depth, taps) not in KNOWN_DEEPSTACK:
+            raise CheckpointError(
+                f"{path}: a vision tower of {depth} blocks with {taps} deep-stack mergers is not a released "
+                "Qwen3-VL size, so which blocks feed the deep-stack mergers is unknown. Pass config= with the "
+                "model's config.json.",
+                path=path,
+            )
+        width, channels, temporal, patch, _ = _shape(files, vp + "patch_embed.proj.weight", path)
+        vision = VisionTowerConfig(
+            depth=depth, hidden_size=width, in_channels=channels, temporal_patch_size=temporal, patch_size=patch,
+            intermediate_size=_shape(files, vp + "blocks.0.mlp.linear_fc1.weight", path)[0],
+            out_hidden_size=_shape(files, vp + "merger.linear_fc2.weight", path)[0],
+            num_position_embeddings=_shape(files, vp + "pos_embed.weight", path)[0],
+            deepstack_visual_indexes=KNOWN_DEEPSTACK[(depth, taps)],
+        )
+    try:
+        return TextEncoderConfig(LanguageModelConfig(**language), vision)
+    except H3Error as exc:
+        raise CheckpointError(f"{path}: the tensor shapes do not fit Qwen3-VL-32B's fixed settings ({exc}). For "
+                              "another Qwen3-VL size pass config= with the model's config.json.", path=path) from None
+
+
+def _config_from_option(config, path: Path) -> TextEncoderConfig:
+    source = path
+    if isinstance(config, TextEncoderConfig):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        source = Path(config).expanduser()
+        if source.is_dir():
+            source = source / "config.json"
+        if not source.is_file():
+            raise CheckpointError(f"{source}: config= names no such file.", path=source)
+        config = read_json(source)
+    if not isinstance(config, Mapping):
+        raise H3Error(f"config= must be a config.json path, a dict or a TextEncoderConfig, got "
+                      f"{type(config).__name__}.")
+    try:
+        return TextEncoderConfig.from_hf_dict(config)
+    except H3Error as exc:
+        raise CheckpointError(f"{source}: {exc}", path=source) from None
+
+
+def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, config=None) -> TextEncoderCheckpoint:
+    """Find the layout of `source`, read its config and open (but do not read) its tensors."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder. Give the text_encoder/ folder of an H3 download (or "
+                              "its root) or a ComfyUI text_encoders .safetensors file.", path=path)
+    refuse_pickle(path)
+    if path.is_file():
+        if path.suffix.lower() != ".safetensors":
+            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
+        file = SafetensorsFile(path)
+        files = {k: file for k in file.keys()}
+        layout = "comfy"
+        raw_config = None
+    else:
+        folder = path
+        layout = "official"
+        if not (folder / "config.json").is_file() and (folder / "text_encoder" / "config.json").is_file():
+            folder = folder / "text_encoder"  # the root of the official repo or of a partition
+        if (folder.parent / "model_index.json").is_file() and (folder.parent / "transformer").is_dir():
+            index = read_json(folder.parent / "model_index.json")
+            layout = "partition" if "_minimax_h3" in index else "official"
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(
+                f"{folder}: not a text-encoder folder: no config.json. Expected the text_encoder/ folder of an H3 "
+                "download (config.json + model*.safetensors) or a ComfyUI text_encoders .safetensors file.",
+                path=folder,
+            )
+        raw_config = read_json(config_path)
+        architectures = raw_config.get("architectures") or []
+        if HF_CLASS_NAME not in architectures and raw_config.get("model_type") != "qwen3_vl":
+            raise CheckpointError(
+                f"{config_path}: describes {architectures or raw_config.get('model_type')!r}, not a Qwen3-VL model "
+                f"('{HF_CLASS_NAME}'). Point at the text_encoder/ folder of an H3 download.",
+                path=config_path,
+                key="architectures",
+            )
+        path = folder
+        files = open_folder_files(folder, "model")
+
+    keys = set(files)
+    language_prefix, vision_prefix = _find_prefixes(keys)
+    if language_prefix is None:
+        raise _not_a_text_encoder(path, keys)
+    quantised = sorted(k for k in keys if k.endswith(QUANTISATION_SUFFIXES))
+    if quantised:
+        raise CheckpointError(
+            f"{files[quantised[0]].path}: '{quantised[0]}' marks a quantised text encoder (int8 / fp8 / NVFP4); only "
+            "the bf16 (or fp16 / fp32) weights are supported, e.g. qwen3vl_32b_minimax_h3_bf16.safetensors.",
+            path=files[quantised[0]].path,
+            key=quantised[0],
+        )
+    stored = _count_layers(keys, language_prefix)
+    if config is not None:
+        encoder_config = _config_from_option(config, path)
+    elif raw_config is not None:
+        try:
+            encoder_config = TextEncoderConfig.from_hf_dict(raw_config)
+        except H3Error as exc:
+            raise CheckpointError(f"{path / 'config.json'}: {exc}", path=path / "config.json") from None
+    else:
+        encoder_config = _config_from_shapes(path, files, language_prefix, vision_prefix, stored)
+    if vision_prefix is None:
+        encoder_config = encoder_config.without_vision()
+    elif encoder_config.vision is None:
+        raise CheckpointError(f"{path}: the weights hold a vision tower ('{vision_prefix}...') but the config has no "
+                              "vision_config; pass the model's full config.json.", path=path)
+    if layout == "comfy":
+        # The repack is truncated: the file, not the original config, says how many layers exist.
+        encoder_config = replace(encoder_config, language=replace(encoder_config.language, num_hidden_layers=stored))
+    ckpt = TextEncoderCheckpoint(path, layout, encoder_config, files, language_prefix, vision_prefix, stored)
+    return _check(ckpt, layer)
+
+
+def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
+    """Strict checks of everything that will be read, and no unknown keys; one error naming the file and key."""
+    if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
+        raise H3Error(f"layer={layer!r}: must be a positive integer (H3 reads hidden_states[50]).")
+    if layer > ckpt.num_layers_stored:
+        raise CheckpointError(
+            f"{ckpt.source}: holds {ckpt.num_layers_stored} decoder layers ('{ckpt.language_prefix}layers.N...') but "
+            f"layer={layer} needs {layer}. The checkpoint is truncated too far or incomplete; H3 needs layers "
+            "0-49 (layer=50).",
+            path=ckpt.source,
+        )
+    config = ckpt.config
+    if layer > config.language.num_hidden_layers:
+        raise CheckpointError(f"{ckpt.source}: its config has {config.language.num_hidden_layers} decoder layers, "
+                              f"fewer than layer={layer}.", path=ckpt.source)
+    expected = {ckpt.key_for(name): shape for name, shape in _expected_parameters(config, layer).items()}
+    layer_names = _layer_parameter_names(config.language)
+    lp = ckpt.language_prefix
+    outer = next(o for o in reversed(OUTER_PREFIXES) if lp.startswith(o))
+
+    def never_read(key: str) -> bool:
+        """Parts of Qwen3-VL that H3 does not use: upper layers, final norm, LM head, cached RoPE tables."""
+        if key in (outer + "lm_head.weight", lp + "norm.weight") or key.endswith("rotary_emb.inv_freq"):
+            return True
+        match = _LAYER_KEY.fullmatch(key[len(lp):]) if key.startswith(lp) else None
+        return bool(match) and int(match.group(1)) >= layer and match.group(2) in layer_names
+
+    check_tensors(ckpt.source, ckpt.files, expected,
+                  f"a {ckpt.layout} Qwen3-VL text encoder read up to layer {layer}", ignore=never_read,
+                  dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
+                  dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) variants are "
+                             "not supported")
+    return ckpt
+
+
+# ---- tokenizer and image processor beside the model ------------------------------------------------------------------
+
+
+def _candidate_folders(ckpt: TextEncoderCheckpoint) -> list[Path]:
+    base = ckpt.source if ckpt.source.is_dir() else ckpt.source.parent
+    return [base, base.parent / "tokenizer", base.parent / "processor"] if ckpt.source.is_dir() else \
+        [base, base / "tokenizer"]
+
+
+def _find_tokenizer(ckpt: TextEncoderCheckpoint, tokenizer) -> H3Tokenizer:
+    if tokenizer is not None:
+        return tokenizer if isinstance(tokenizer, H3Tokenizer) else H3Tokenizer(tokenizer)
+    candidates = [folder / TOKENIZER_FILE for folder in _candidate_folders(ckpt)]
+    for candidate in candidates:
+        if candidate.is_file():
+            return H3Tokenizer(candidate)
+    raise CheckpointError(
+        f"{ckpt.source}: no tokenizer.json beside the model (looked at {', '.join(str(c) for c in candidates)}). "
+        "Pass tokenizer= with the H3 release's tokenizer/tokenizer.json (it carries H3's 7 extra tokens).",
+        path=ckpt.source,
+    )
+
+
+def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, processor) -> tuple[ImageProcessorConfig,
+                                                                                             Path | None]:
+    if isinstance(processor, ImageProcessorConfig):
+        return processor, None
+    if processor is not None:
+        path = Path(processor).expanduser()
+        candidates = [path / name for name in PROCESSOR_FILES] if path.is_dir() else [path]
+        if not any(c.is_file() for c in candidates):
+            raise CheckpointError(f"{path}: processor= names no preprocessor_config.json.", path=path)
+    else:
+        folders = [ckpt.source.parent / "processor"] if ckpt.source.is_dir() else []
+        folders += [tokenizer.path.parent, *_candidate_folders(ckpt)]
+        candidates = [folder / name for folder in folders for name in PROCESSOR_FILES]
+    for candidate in candidates:
+        if candidate.is_file():
+            raw = read_json(candidate)
+            if isinstance(raw.get("image_processor"), Mapping):
+                raw = raw["image_processor"]  # processor_config.json nests each modality
+            try:
+                return ImageProcessorConfig.from_dict(raw), candidate
+            except H3Error as exc:
+                raise CheckpointError(f"{candidate}: {exc}", path=candidate) from None
+    # No processor folder: the released Qwen3-VL values.
+    return ImageProcessorConfig(), None
+
+
+# ---- building the module ---------------------------------------------------------------------------------------------
+
+
+def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+
+
+_OPTIONS = ("config", "processor", "chunk_size")
+# With layerwise residency: streamed per decoder layer, or materialised only for one phase of each forward.
+STREAMED_LAYER_PREFIX = "language_model.layers."
+PHASE_SCOPED = {"embeddings": ("language_model.embed_tokens.",), "vision": ("vision_tower.",)}
+
+
+def _offloaded(name: str) -> bool:
+    return name.startswith(STREAMED_LAYER_PREFIX) or any(name.startswith(p) for ps in PHASE_SCOPED.values()
+                                                         for p in ps)
+
+
+def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int = 50, device="cpu",
+                      dtype: torch.dtype | None = None, residency: Residency | str = Residency.RESIDENT,
+                      prefetch: int | None = None, resident_blocks: int | list[int] | None = None,
+                      **options: Any) -> TextEncoder:
+    """Load H3's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
+
+    `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
+    partition root), or a ComfyUI single file. `tokenizer`: a `tokenizer.json` or a folder holding one; found
+    beside the model when omitted. `dtype=None` keeps the checkpoint's dtype (bf16 for the release); on the CPU the
+    parameters are then the memory-mapped file pages themselves.
+
+    Options: `config` — a config.json path / dict for a single file that is not Qwen3-VL-32B (the ComfyUI repack
+    carries no config); `processor` — a `preprocessor_config.json` (or its folder) for the keyframe preprocessing,
+    found beside the model when omitted (else the released Qwen3-VL values); `chunk_size` — rows per chunk of the
+    attention queries and the MLP for long prompts (None: fused), bounding the activations to keys, values and one
+    chunk; the same numbers as the fused path up to rounding.
+
+    `residency="layerwise"` streams the decoder layers: they stay in the memory maps (no copy at load) and at most
+    `prefetch + 1` of them are materialised on the device during a forward (`prefetch` default 0, 1 on CUDA);
+    `resident_blocks` (the first N layers, or indices) stay on the device. The token embedding and the vision tower
+    are materialised only for their phase of each forward ("embeddings", "vision"). `encoder.close()` releases it.
+
+    Returns a `TextEncoder`; `encoder.encode(prompt, images=())` gives `(states [L, hidden], tags [L])`.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"load_text_encoder() got unknown option(s) {unknown}; supported: {list(_OPTIONS)}.")
+    chunk_size = check_chunk_size(options.get("chunk_size"))  # checked before any reading
+    device = torch.device(device)
+    mode = Residency.parse(residency)
+    check_admission({"text_encoder": ComponentPlan(mode, str(device))}, Platform.for_device(device))
+    layerwise = mode is Residency.LAYERWISE_OFFLOAD
+    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
+    ckpt = resolve_text_encoder_checkpoint(source, layer, options.get("config"))
+    h3_tokenizer = _find_tokenizer(ckpt, tokenizer)
+    vocab = ckpt.config.language.vocab_size
+    if H3_EXTRA_FIRST_ID + len(H3_EXTRA_TOKENS) > vocab:
+        raise CheckpointError(f"{ckpt.source}: the embedding has {vocab} rows but the H3 tokenizer "
+                              f"({h3_tokenizer.path}) uses ids up to {H3_EXTRA_FIRST_ID + len(H3_EXTRA_TOKENS) - 1}; "
+                              "the weights are not a Qwen3-VL text encoder.", path=ckpt.source)
+    image_processor, processor_path = _find_processor(ckpt, h3_tokenizer, options.get("processor"))
+    vision = ckpt.config.vision
+    if vision is not None and (image_processor.patch_size, image_processor.merge_size,
+                               image_processor.temporal_patch_size) != (vision.patch_size, vision.spatial_merge_size,
+                                                                        vision.temporal_patch_size):
+        where = processor_path or "the default image processor settings"
+        raise CheckpointError(
+            f"{where}: patch {image_processor.patch_size} / merge {image_processor.merge_size} / temporal "
+            f"{image_processor.temporal_patch_size} do not match the vision tower's {vision.patch_size} / "
+            f"{vision.spatial_merge_size} / {vision.temporal_patch_size}; pass processor= with the model's "
+            "preprocessor_config.json.",
+            path=processor_path or ckpt.source,
+        )
+
+    with torch.device("meta"):
+        model = TextEncoder(ckpt.config, layer)
+    recipes: dict[str, HostTensor] = {}
+    for name, _ in list(model.named_parameters()):
+        key = ckpt.key_for(name)
+        weight = ckpt.files[key].tensor(key)
+        target = dtype or weight.dtype
+        if layerwise and _offloaded(name):
+            # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
+            recipes[name] = HostTensor((weight,), target, tuple(weight.shape))
+            set_tensor(model, name, torch.empty(0, dtype=target, device=device))
+            continue
+        set_tensor(model, name, weight.to(device=device, dtype=target))
+    if layerwise:
+        blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
+        model.language_model.block_residency, model.weight_phases = attach_layerwise(
+            model, recipes, manager, blocks=blocks, phases=PHASE_SCOPED, device=device)
+    model.eval()
+    model.language_model.chunk_size = chunk_size
+    model.tokenizer = h3_tokenizer
+    model.image_processor = image_processor
+    model.checkpoint_layout = ckpt.layout
+    model.checkpoint_files = ckpt.paths
+    return model

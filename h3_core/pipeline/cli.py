@@ -1,0 +1,181 @@
+"""`python -m h3_core generate PROMPT ...`: one command from a prompt to an mp4 with 32 kHz stereo audio."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import H3Error
+from ..runtime.platform import Platform, peak_rss_bytes
+from .layout import FPS, align_num_frames, frames_for_seconds
+
+MAX_SECONDS = 15.0
+DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Without --model the embedded tiny random model runs; these keep that check of an install under a minute on a CPU.
+TINY_DEFAULTS = {"size": "96x64", "seconds": 1.0, "steps": 3}
+MODEL_DEFAULTS = {"size": "1344x768", "seconds": 124 / FPS, "steps": 50}
+
+
+class CliError(H3Error):
+    pass
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise CliError(f"--size {text!r}: write it as WIDTHxHEIGHT, e.g. 1344x768.") from None
+    for name, value in (("width", width), ("height", height)):
+        if value < 32 or value % 32:
+            near = max(32, round(value / 32) * 32)
+            raise CliError(f"--size {text}: {name} {value} is not a positive multiple of 32; try {near}.")
+    return width, height
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
+    g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
+    g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps")
+    g.add_argument("--frames", type=int, help="frame count instead of --seconds; rounded up to 17n+5")
+    g.add_argument("--size", help="WIDTHxHEIGHT, multiples of 32 (default 1344x768; 96x64 for the tiny model)")
+    g.add_argument("--steps", type=int, help="sigma grid points including the final 0 (default 50; tiny: 3)")
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--model", help="H3 folder or Hugging Face repo id (default: the embedded tiny random model)")
+    g.add_argument("--partition", choices=("fl2va", "ref2va"), default="fl2va")
+    g.add_argument("--first-frame", type=Path, help="keyframe image for the first frame (FL2VA)")
+    g.add_argument("--last-frame", type=Path, help="keyframe image for the last frame (FL2VA)")
+    g.add_argument("--residency", choices=("auto", "resident", "layerwise"), default="auto",
+                   help="every component: all weights on the device, or streamed block by block "
+                        "(auto: layerwise on Apple MPS, resident elsewhere)")
+    g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP of the transformer and text encoder "
+                        "(default: fused)")
+    g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
+    g.add_argument("--dtype", choices=tuple(DTYPES), default="auto", help="auto keeps the checkpoint's dtypes")
+    g.add_argument("--video-shift", type=float, default=12.0)
+    g.add_argument("--audio-shift", type=float, default=3.0)
+    g.add_argument("--out", type=Path, default=Path("out.mp4"))
+    return parser
+
+
+class ProgressBar:
+    def __init__(self, label: str, stream=sys.stderr):
+        self.label, self.stream, self.started = label, stream, time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        if done == 0:  # sampling starts: time from here, not from the model loading before it
+            self.started = time.perf_counter()
+        width = 30
+        filled = int(width * done / max(total, 1))
+        elapsed = time.perf_counter() - self.started
+        eta = elapsed / done * (total - done) if done else 0.0
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                          f"{elapsed:.1f}s elapsed, ~{eta:.1f}s left")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def memory_report(device: torch.device) -> str:
+    lines = []
+    rss = peak_rss_bytes()
+    if rss is not None:
+        lines.append(f"peak host memory (RSS): {rss / 2**30:.2f} GiB")
+    platform = Platform.for_device(device)  # the per-device allocator queries live in the platform object
+    peak, driver = platform.peak_allocated_bytes(), platform.driver_bytes()
+    if peak is not None:
+        lines.append(f"peak device memory: {peak / 2**30:.2f} GiB")
+    elif driver is not None:
+        lines.append(f"device memory now: {driver / 2**30:.2f} GiB (driver)")
+    return "\n".join(lines)
+
+
+def resolve_frames(args, defaults, say) -> int:
+    if args.frames is not None and args.seconds is not None:
+        raise CliError("give --seconds or --frames, not both.")
+    if args.frames is not None:
+        if args.frames < 1:
+            raise CliError(f"--frames {args.frames}: must be at least 1.")
+        frames = align_num_frames(args.frames)
+        if frames != args.frames:
+            say(f"note: {args.frames} frames is off the 17n+5 grid the video VAE needs; rounding up to {frames}.")
+    else:
+        seconds = defaults["seconds"] if args.seconds is None else args.seconds
+        if not 0 < seconds <= MAX_SECONDS:
+            raise CliError(f"--seconds {seconds:g}: must be more than 0 and at most {MAX_SECONDS:g} (H3 generates up "
+                           "to 15 s).")
+        frames = frames_for_seconds(seconds)
+    if frames / FPS > MAX_SECONDS + 0.5:
+        raise CliError(f"{frames} frames is {frames / FPS:.1f} s; H3 generates at most {MAX_SECONDS:g} s.")
+    return frames
+
+
+def generate(args, say=print) -> list[Path]:
+    from .media import have_pyav, save_generation
+    from .pipeline import H3Pipeline
+    from .sources import resolve_model
+
+    tiny = args.model is None
+    defaults = TINY_DEFAULTS if tiny else MODEL_DEFAULTS
+    width, height = parse_size(args.size or defaults["size"])
+    steps = defaults["steps"] if args.steps is None else args.steps
+    if steps < 2:
+        raise CliError(f"--steps {steps}: must be at least 2 (grid points including the final 0).")
+    num_frames = resolve_frames(args, defaults, say)
+    for flag, path in (("--first-frame", args.first_frame), ("--last-frame", args.last_frame)):
+        if path is not None and not path.is_file():
+            raise CliError(f"{flag} {path}: no such image file.")
+    if tiny:
+        from .tiny_default import ensure_tiny_model
+
+        say("using the embedded tiny random model: it produces noise and only checks the install; "
+            "pass --model for real weights")
+        sources = resolve_model(ensure_tiny_model(log=say))
+    else:
+        sources = resolve_model(args.model, partition=args.partition)
+    from .planning import plan_components
+
+    options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
+                              memory_budget_gb=args.memory_budget, width=width, height=height,
+                              num_frames=num_frames, log=say)
+    pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
+                          log=say)
+    say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
+        f"seed {args.seed}")
+    try:
+        result = pipeline.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
+                                   seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
+                                   video_shift=args.video_shift, audio_shift=args.audio_shift,
+                                   progress=ProgressBar("sampling"))
+    finally:
+        pipeline.release_all()
+    written = save_generation(args.out, result.frames, result.waveform, result.fps, result.sample_rate)
+    if args.out.suffix.lower() == ".mp4" and not have_pyav():
+        say("PyAV is not installed (pip install 'h3-stream[video]'), so frames and audio were written separately")
+    for path in written:
+        say(f"wrote {path}")
+    say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
+    report = memory_report(torch.device(args.device))
+    if report:
+        say(report)
+    return written
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            generate(args)
+        return 0
+    except H3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was written", file=sys.stderr)
+        return 130

@@ -1,0 +1,285 @@
+"""The packed sequence: latent shape arithmetic, patchify, and the row layout (positions, tags, stream indices).
+
+Rows are ordered `text | condition (keyframe) rows | target audio (channel 0, then 1) | target video`. Positions are
+real-valued (t, h, w) rotary coordinates built in float64: one time unit is 1/40 s, a pixel frame is 5/3 units, the
+spatial grid is centred, area-normalised and scaled by 32, and the two audio channels are pinned to the leftmost and
+rightmost width coordinate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..models.dit_config import AUDIO_TAG, VIDEO_TAG
+from ..errors import H3Error
+
+FPS = 24
+AUDIO_SAMPLE_RATE = 32000
+AUDIO_LATENTS_PER_SECOND = 40
+AUDIO_CHANNELS = 2
+# The video VAE maps 17 pixel frames to 5 latent frames (the first 5 pixel frames to 2): frame counts are 17n + 5.
+FRAMES_PER_CHUNK = 17
+LATENTS_PER_CHUNK = 5
+SPATIAL_COMPRESSION = 16
+CANVAS_MULTIPLE = 32
+# Rotary time of one pixel frame, and how many pixel frames each latent frame of a chunk stands for.
+ROPE_FRAME_UNITS = 5.0 / 3.0
+ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
+ROPE_SPATIAL_SCALE = 32.0
+
+
+# ---- shape arithmetic ---------------------------------------------------------------------------------------------
+
+
+def align_num_frames(num_frames: int) -> int:
+    """The smallest `17n + 5` frame count >= `num_frames`."""
+    if int(num_frames) < 1:
+        raise H3Error(f"num_frames must be at least 1, got {num_frames}.")
+    n = max(0, -(-(int(num_frames) - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK))
+    return FRAMES_PER_CHUNK * n + LATENTS_PER_CHUNK
+
+
+def frames_for_seconds(seconds: float) -> int:
+    """Pixel frames generated for a requested duration: round(seconds * 24), rounded up to the 17n + 5 grid."""
+    if not seconds > 0:
+        raise H3Error(f"seconds must be positive, got {seconds}.")
+    return align_num_frames(max(1, round(seconds * FPS)))
+
+
+def is_aligned_num_frames(num_frames: int) -> bool:
+    return num_frames >= LATENTS_PER_CHUNK and num_frames % FRAMES_PER_CHUNK == LATENTS_PER_CHUNK
+
+
+def video_latent_frames(num_frames: int) -> int:
+    """Latent frames of an aligned frame count: 2 for the first 5 frames, then 5 per 17."""
+    if not is_aligned_num_frames(num_frames):
+        raise H3Error(
+            f"num_frames must be of the form 17n + 5 (5, 22, 39, ...), got {num_frames}; the nearest valid count "
+            f"above it is {align_num_frames(num_frames)}."
+        )
+    return (num_frames - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK * LATENTS_PER_CHUNK + 2
+
+
+def audio_latent_frames(num_frames: int) -> int:
+    """Audio latents per stereo channel covering `num_frames` video frames (40 latents per second)."""
+    return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
+
+
+def check_canvas(width: int, height: int) -> None:
+    for name, value in (("width", width), ("height", height)):
+        if int(value) < CANVAS_MULTIPLE or int(value) % CANVAS_MULTIPLE:
+            lower = max(CANVAS_MULTIPLE, int(value) // CANVAS_MULTIPLE * CANVAS_MULTIPLE)
+            raise H3Error(
+                f"{name} must be a positive multiple of {CANVAS_MULTIPLE} pixels, got {value}; use {lower} or "
+                f"{lower + CANVAS_MULTIPLE}."
+            )
+
+
+@dataclass(frozen=True)
+class LatentShape:
+    """Everything the sampler needs to know about the size of one request."""
+
+    width: int
+    height: int
+    num_frames: int
+    latent_frames: int
+    latent_height: int
+    latent_width: int
+    audio_latents: int
+    latent_channels: int = 24
+    audio_latent_channels: int = 32
+
+    @classmethod
+    def for_request(cls, width: int, height: int, num_frames: int, *, latent_channels: int = 24,
+                    audio_latent_channels: int = 32) -> "LatentShape":
+        check_canvas(width, height)
+        return cls(
+            width=int(width),
+            height=int(height),
+            num_frames=int(num_frames),
+            latent_frames=video_latent_frames(num_frames),
+            latent_height=int(height) // SPATIAL_COMPRESSION,
+            latent_width=int(width) // SPATIAL_COMPRESSION,
+            audio_latents=audio_latent_frames(num_frames),
+            latent_channels=latent_channels,
+            audio_latent_channels=audio_latent_channels,
+        )
+
+    @property
+    def video(self) -> tuple[int, int, int, int, int]:
+        return (1, self.latent_channels, self.latent_frames, self.latent_height, self.latent_width)
+
+    @property
+    def audio(self) -> tuple[int, int, int, int]:
+        """ComfyUI's audio latent layout `[B, C, 2, Ta]`."""
+        return (1, self.audio_latent_channels, AUDIO_CHANNELS, self.audio_latents)
+
+
+# ---- patchify -----------------------------------------------------------------------------------------------------
+
+
+def patchify(latent: torch.Tensor, patch_size=(1, 2, 2)) -> torch.Tensor:
+    """`[B, C, T, H, W]` -> rows `[B, T/pt * H/ph * W/pw, C * pt * ph * pw]`, frame-major, feature index c-slowest."""
+    pt, ph, pw = patch_size
+    b, c, t, h, w = latent.shape
+    if t % pt or h % ph or w % pw:
+        raise H3Error(f"latent of shape {tuple(latent.shape)} is not divisible by the patch {tuple(patch_size)}.")
+    x = latent.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    return x.permute(0, 2, 4, 6, 1, 3, 5, 7).reshape(b, -1, c * pt * ph * pw)
+
+
+def unpatchify(rows: torch.Tensor, latent_shape, patch_size=(1, 2, 2)) -> torch.Tensor:
+    """Inverse of `patchify`: rows `[B, N, C*pt*ph*pw]` -> `[B, C, T, H, W]` with `latent_shape = (C, T, H, W)`."""
+    pt, ph, pw = patch_size
+    c, t, h, w = latent_shape
+    b = rows.shape[0]
+    x = rows.reshape(b, t // pt, h // ph, w // pw, c, pt, ph, pw)
+    return x.permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(b, c, t, h, w)
+
+
+def audio_to_rows(latent: torch.Tensor) -> torch.Tensor:
+    """`[B, C, 2, Ta]` -> channel-major rows `[B, 2 * Ta, C]`."""
+    b, c, ch, ta = latent.shape
+    return latent.permute(0, 2, 3, 1).reshape(b, ch * ta, c)
+
+
+def rows_to_audio(rows: torch.Tensor, channels: int = AUDIO_CHANNELS) -> torch.Tensor:
+    """Inverse of `audio_to_rows`."""
+    b, n, c = rows.shape
+    return rows.reshape(b, channels, n // channels, c).permute(0, 3, 1, 2)
+
+
+# ---- positions ----------------------------------------------------------------------------------------------------
+
+
+def spatial_axis(latent_dim: int, patch: int, sqrt_area: float) -> np.ndarray:
+    """Centred, area-normalised coordinates of one spatial axis (right end excluded), scaled by 32, float64."""
+    ratio = latent_dim / sqrt_area
+    left = (1.0 - ratio) / 2.0
+    # numpy's linspace(endpoint=False) defines the released coordinates to the last ulp; torch.linspace differs.
+    return np.linspace(left, left + ratio, latent_dim // patch, endpoint=False) * ROPE_SPATIAL_SCALE
+
+
+def frame_grid(latent_height: int, latent_width: int, patch_size=(1, 2, 2)) -> tuple[np.ndarray, np.ndarray]:
+    """(h, w) coordinates of one latent frame's rows `[h*w, 2]`, and the width axis."""
+    _, ph, pw = patch_size
+    sqrt_area = float(np.sqrt(latent_height * latent_width))
+    hs = spatial_axis(latent_height, ph, sqrt_area)
+    ws = spatial_axis(latent_width, pw, sqrt_area)
+    grid = np.stack([np.repeat(hs, ws.size), np.tile(ws, hs.size)], axis=-1)
+    return grid, ws
+
+
+def latent_frame_spans(latent_frames: int) -> np.ndarray:
+    """Rotary duration of each latent frame: 5/3 x (1, 4, 4, 4, 4, 1, 4, ...)."""
+    pattern = ROPE_FRAMES_PER_LATENT
+    return np.array([ROPE_FRAME_UNITS * pattern[i % len(pattern)] for i in range(latent_frames)], dtype=np.float64)
+
+
+def latent_frame_times(latent_frames: int, origin: float) -> np.ndarray:
+    """Rotary time of the first pixel frame of every latent frame (sequential summation)."""
+    spans = latent_frame_spans(latent_frames)
+    return origin + np.concatenate([[0.0], np.cumsum(spans[:-1])])
+
+
+def last_keyframe_time(latent_frames: int, origin: float) -> float:
+    """Rotary time of the last pixel frame. The reference sums the spans pairwise here (np.sum), not sequentially."""
+    return float(origin) + float(np.sum(latent_frame_spans(latent_frames))) - ROPE_FRAME_UNITS
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Row layout of one forward: positions `[S, 3]` float64, tags `[S]`, and the rows of each stream.
+
+    `video_indices` lists the condition rows first, then the target video rows; `audio_indices` the target audio rows
+    (channel 0, then channel 1).
+    """
+
+    position_ids: torch.Tensor
+    token_tags: torch.Tensor
+    video_indices: torch.Tensor
+    audio_indices: torch.Tensor
+    text_indices: torch.Tensor
+    num_condition_video_rows: int
+    num_condition_audio_rows: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.position_ids.shape[0])
+
+    def to(self, device) -> "PackedLayout":
+        return PackedLayout(*(t.to(device) for t in (self.position_ids, self.token_tags, self.video_indices,
+                                                     self.audio_indices, self.text_indices)),
+                            self.num_condition_video_rows, self.num_condition_audio_rows)
+
+    def model_kwargs(self, position_dtype=torch.float32) -> dict:
+        """The layout arguments of `H3DiT.forward`."""
+        return dict(token_tags=self.token_tags, position_ids=self.position_ids.to(position_dtype),
+                    video_indices=self.video_indices, audio_indices=self.audio_indices,
+                    text_indices=self.text_indices)
+
+
+def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
+                        audio_latents: int, keyframe_anchors: tuple[str, ...] = (), patch_size=(1, 2, 2),
+                        audio_channels: int = AUDIO_CHANNELS) -> PackedLayout:
+    """Layout of a T2VA (no anchors) or FL2VA (`"first"` / `"last"` keyframe anchors, in packed order) request.
+
+    `text_tags` are the per-token tags of the text rows (1 for text, 0 for the rows of a keyframe's vision block).
+    """
+    _, ph, pw = patch_size
+    if latent_height % ph or latent_width % pw:
+        raise H3Error(f"latent {latent_height}x{latent_width} is not divisible by the patch {ph}x{pw}.")
+    num_text = int(text_tags.shape[0])
+    frame_rows = (latent_height // ph) * (latent_width // pw)
+    num_cond = len(keyframe_anchors) * frame_rows
+    num_audio = audio_channels * audio_latents
+    num_video = latent_frames * frame_rows
+    cond_start = num_text
+    audio_start = cond_start + num_cond
+    video_start = audio_start + num_audio
+    total = video_start + num_video
+
+    pos = np.zeros((total, 3), dtype=np.float64)
+    pos[:num_text, 0] = np.arange(num_text, dtype=np.float64)
+    grid, width_axis = frame_grid(latent_height, latent_width, patch_size)
+    origin = float(num_text)
+
+    for i, anchor in enumerate(keyframe_anchors):
+        if anchor == "first":
+            t = origin
+        elif anchor == "last":
+            t = last_keyframe_time(latent_frames, origin)
+        else:
+            raise H3Error(f"keyframe anchor must be 'first' or 'last', got {anchor!r}.")
+        rows = slice(cond_start + i * frame_rows, cond_start + (i + 1) * frame_rows)
+        pos[rows, 0] = t
+        pos[rows, 1:] = grid
+
+    audio_times = origin + np.arange(audio_latents, dtype=np.float64)
+    pinned_w = [width_axis[0], width_axis[-1]]
+    for ch in range(audio_channels):
+        rows = slice(audio_start + ch * audio_latents, audio_start + (ch + 1) * audio_latents)
+        pos[rows, 0] = audio_times
+        pos[rows, 2] = pinned_w[min(ch, 1)]
+
+    times = latent_frame_times(latent_frames, origin)
+    video_pos = pos[video_start:].reshape(latent_frames, frame_rows, 3)
+    video_pos[:, :, 0] = times[:, None]
+    video_pos[:, :, 1:] = grid[None]
+
+    tags = torch.empty(total, dtype=torch.long)
+    tags[:num_text] = text_tags.to(torch.long)
+    tags[cond_start:audio_start] = VIDEO_TAG
+    tags[audio_start:video_start] = AUDIO_TAG
+    tags[video_start:] = VIDEO_TAG
+    return PackedLayout(
+        position_ids=torch.from_numpy(pos),
+        token_tags=tags,
+        video_indices=torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, total)]),
+        audio_indices=torch.arange(audio_start, video_start),
+        text_indices=torch.arange(num_text),
+        num_condition_video_rows=num_cond,
+    )

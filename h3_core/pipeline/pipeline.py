@@ -1,0 +1,196 @@
+"""End-to-end generation: prompt (+ keyframes) -> text encoder -> packed sampling loop -> video and audio VAEs.
+
+Components are loaded lazily, one phase at a time, and the text encoder is released before sampling unless asked to
+stay, so peak memory is that of the largest phase rather than the sum of all four components.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..checkpoints.dit_loader import load_dit
+from ..checkpoints.text_encoder_loader import load_text_encoder
+from ..checkpoints.video_vae_loader import load_audio_vae, load_video_vae
+from ..components import COMPONENTS
+from ..errors import H3Error
+from .keyframes import pil_to_frames, prepare_keyframes
+from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
+                     rows_to_audio, unpatchify)
+from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
+                      non_finite_error)
+from .sources import ModelSources, safetensors_files
+
+MAX_PROMPT_TOKENS = 4096
+
+# ---- the pipeline ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Conditioning:
+    """What the text encoder produced for one request, plus the keyframes it saw."""
+
+    states: torch.Tensor  # [L, text_dim]
+    tags: torch.Tensor  # [L]
+    keyframes: list = field(default_factory=list)  # prepared PIL images, in packed order
+    anchors: tuple[str, ...] = ()
+
+
+@dataclass
+class Latents:
+    video: torch.Tensor  # [1, 24, T, H/16, W/16], normalised
+    audio: torch.Tensor  # [1, 32, 2, Ta], normalised
+    shape: LatentShape
+
+
+@dataclass
+class GenerationResult:
+    frames: torch.Tensor  # [F, H, W, 3] float in [0, 1]
+    waveform: torch.Tensor  # [2, N] float at 32 kHz, trimmed to the video length
+    fps: int = FPS
+    sample_rate: int = AUDIO_SAMPLE_RATE
+    timings: dict = field(default_factory=dict)
+
+
+class H3Pipeline:
+    """Holds the model sources and the memory settings; loads each component when its phase needs it.
+
+    `component_options` maps a component name ("transformer", "text_encoder", "video_vae", "audio_vae") to extra
+    keyword arguments of its loader (residency, chunk size, ...). `keep_text_encoder=False` releases the text
+    encoder after each prompt.
+    """
+
+    COMPONENTS = COMPONENTS
+
+    def __init__(self, sources: ModelSources, *, device="cpu", dtype: torch.dtype | None = None,
+                 component_options: dict | None = None, keep_text_encoder: bool = False,
+                 log: Callable[[str], None] | None = None):
+        self.sources = sources
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.component_options = {k: dict(v) for k, v in (component_options or {}).items()}
+        unknown = set(self.component_options) - set(self.COMPONENTS)
+        if unknown:
+            raise H3Error(f"unknown component(s) {sorted(unknown)} in component_options; use {self.COMPONENTS}.")
+        self.keep_text_encoder = keep_text_encoder
+        self.log = log or (lambda message: None)
+        self._loaded: dict[str, object] = {}
+
+    # -- components ----------------------------------------------------------------------------------------------
+
+    def component(self, name: str):
+        if name in self._loaded:
+            return self._loaded[name]
+        options = dict(self.component_options.get(name, {}))
+        started = time.perf_counter()
+        if name == "text_encoder":
+            loaded = load_text_encoder(self.sources.text_encoder, tokenizer=self.sources.tokenizer,
+                                               layer=self.sources.text_encoder_layer, device=self.device,
+                                               dtype=self.dtype, **options)
+        elif name == "transformer":
+            loaded = load_dit(self.sources.transformer, device=self.device, dtype=self.dtype, **options)
+        elif name == "video_vae":
+            loaded = load_video_vae(self.sources.video_vae, device=self.device, **options)
+        elif name == "audio_vae":
+            loaded = load_audio_vae(self.sources.audio_vae, device=self.device, **options)
+        else:
+            raise H3Error(f"unknown component {name!r}; use one of {self.COMPONENTS}.")
+        self.log(f"loaded {name} in {time.perf_counter() - started:.1f} s")
+        self._loaded[name] = loaded
+        return loaded
+
+    def release(self, name: str) -> None:
+        """Drop a component (its memory maps and device copies go with it)."""
+        component = self._loaded.pop(name, None)
+        if component is not None:
+            close = getattr(component, "close", None)
+            if callable(close):
+                close()
+            del component
+            gc.collect()
+
+    def release_all(self) -> None:
+        for name in list(self._loaded):
+            self.release(name)
+
+    # -- phases --------------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
+                      last_frame=None) -> Conditioning:
+        if not isinstance(prompt, str):
+            raise H3Error(f"prompt must be a string, got {type(prompt).__name__}.")
+        anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
+        keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
+        encoder = self.component("text_encoder")
+        tokens = len(encoder.tokenizer.tokenize(prompt))
+        if tokens > MAX_PROMPT_TOKENS:
+            raise H3Error(f"the prompt is {tokens} tokens ({len(prompt)} characters); at most {MAX_PROMPT_TOKENS} are "
+                          "accepted (H3 was trained on prompts of a few hundred tokens). Shorten it.")
+        states, tags = encoder.encode(prompt, keyframes)
+        if not self.keep_text_encoder:
+            self.release("text_encoder")
+        if not torch.isfinite(states).all():
+            raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder), "its output")
+        return Conditioning(states.detach(), tags.detach(), keyframes, anchors)
+
+    def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
+               video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
+               check_interrupt=None) -> Latents:
+        schedule = Schedule.build(steps, video_shift, audio_shift)
+        condition_latents = []
+        if cond.keyframes:
+            vae = self.component("video_vae")
+            condition_latents = [vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
+                                 for image in cond.keyframes]
+        dit = self.component("transformer")
+        config = dit.config
+        if cond.states.shape[-1] != config.text_dim:
+            raise H3Error(f"the text encoder gives {cond.states.shape[-1]}-wide states but the transformer expects "
+                          f"{config.text_dim}; the two checkpoints do not belong together.")
+        layout = build_packed_layout(cond.tags, shape.latent_frames, shape.latent_height, shape.latent_width,
+                                     shape.audio_latents, cond.anchors, config.patch_size)
+        noises, video_noise, audio_noise = initial_noise(
+            shape.video, 2 * shape.audio_latents, shape.audio_latent_channels, seed,
+            [c.shape for c in condition_latents])
+        condition_rows = [patchify(noise_condition(c, n), config.patch_size)[0]
+                          for c, n in zip(condition_latents, noises)]
+        video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
+        result = denoise(dit, cond.states, layout, schedule, video_rows, audio_noise,
+                         num_condition_video_rows=layout.num_condition_video_rows, progress=progress,
+                         check_interrupt=check_interrupt)
+        video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
+        audio = rows_to_audio(result.audio_rows[None].cpu())
+        return Latents(video, audio, shape)
+
+    def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
+        frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
+        if not torch.isfinite(frames).all():
+            raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding")
+        waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
+        if not torch.isfinite(waveform).all():
+            raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding")
+        from .media import audio_samples_for_frames
+
+        return frames, waveform[:, : audio_samples_for_frames(frames.shape[0])]
+
+    def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
+                 first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
+                 audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None) -> GenerationResult:
+        shape = LatentShape.for_request(width, height, num_frames)
+        timings = {}
+        started = time.perf_counter()
+        cond = self.encode_prompt(prompt, width=width, height=height, first_frame=first_frame,
+                                  last_frame=last_frame)
+        timings["text_encoder"] = time.perf_counter() - started
+        started = time.perf_counter()
+        latents = self.sample(cond, shape, steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
+                              progress=progress, check_interrupt=check_interrupt)
+        timings["sampling"] = time.perf_counter() - started
+        started = time.perf_counter()
+        frames, waveform = self.decode(latents)
+        timings["decode"] = time.perf_counter() - started
+        return GenerationResult(frames, waveform, timings=timings)

@@ -1,0 +1,177 @@
+"""Sampler math: per-modality shifted sigma schedules, per-row timesteps, the Euler update and seeded noise.
+
+H3 is a rectified flow with `x_sigma = (1 - sigma) x0 + sigma eps`, model time `t = 1 - sigma` (t = 1 is clean), and
+the DiT predicts the data-ward velocity `v = x0 - eps`. All sampler state is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import H3Error
+from .layout import PackedLayout
+
+VIDEO_SHIFT = 12.0
+AUDIO_SHIFT = 3.0
+# Condition rows are noise-augmented to t = 0.999 once, then held; reference audio is clean (t = 1).
+CONDITION_NOISE_AUG = 0.999
+REFERENCE_AUDIO_T = 1.0
+
+
+def sigma_schedule(num_steps: int, shift: float) -> torch.Tensor:
+    """`num_steps` grid points from 1 to 0 (terminal 0 included), shifted: `s b / (1 + (s - 1) b)`, float32."""
+    if int(num_steps) < 2:
+        raise H3Error(f"steps must be at least 2 (grid points including the final 0), got {num_steps}.")
+    if not shift > 0:
+        raise H3Error(f"sigma shift must be positive, got {shift}.")
+    base = torch.linspace(1.0, 0.0, int(num_steps), dtype=torch.float32)
+    sigmas = float(shift) * base / (1 + (float(shift) - 1) * base)
+    # float32 collisions near sigma = 1 at large shifts collapse to one grid point.
+    return torch.unique_consecutive(sigmas)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Video and audio sigma grids of equal length N; `N - 1` model calls."""
+
+    video_sigmas: torch.Tensor
+    audio_sigmas: torch.Tensor
+
+    @classmethod
+    def build(cls, num_steps: int, video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT) -> "Schedule":
+        video = sigma_schedule(num_steps, video_shift)
+        audio = sigma_schedule(num_steps, audio_shift)
+        if video.numel() != audio.numel():
+            raise H3Error(
+                f"with {num_steps} steps the shifted schedules collapse to {video.numel()} (video) and "
+                f"{audio.numel()} (audio) distinct sigmas; use fewer steps or smaller shifts."
+            )
+        return cls(video, audio)
+
+    @property
+    def num_model_calls(self) -> int:
+        return int(self.video_sigmas.numel()) - 1
+
+    @property
+    def video_timesteps(self) -> torch.Tensor:
+        return 1.0 - self.video_sigmas[:-1]
+
+    @property
+    def audio_timesteps(self) -> torch.Tensor:
+        return 1.0 - self.audio_sigmas[:-1]
+
+
+def row_timesteps(layout: PackedLayout, t_video: float, t_audio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row timesteps reduced to `(distinct sorted timesteps [M], index of every row [S])`.
+
+    Text and target video rows take `t_video`, target audio `t_audio`, video condition rows `max(t_video, 0.999)`,
+    reference audio rows 1.0.
+    """
+    t = torch.full((layout.num_rows,), float(t_video), dtype=torch.float32)
+    t[layout.video_indices[: layout.num_condition_video_rows]] = max(float(t_video), CONDITION_NOISE_AUG)
+    t[layout.audio_indices[layout.num_condition_audio_rows:]] = float(t_audio)
+    t[layout.audio_indices[: layout.num_condition_audio_rows]] = REFERENCE_AUDIO_T
+    return torch.unique(t, sorted=True, return_inverse=True)
+
+
+def euler_step(sample: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """One deterministic Euler step in float32.
+
+    The denoised estimate uses sigma recovered from the model time (`1 - t`), the blend ratio the stored grid, as the
+    reference does (the two differ in the last ulp below sigma 0.5).
+    """
+    sample = sample.to(torch.float32)
+    t = torch.as_tensor(t, dtype=torch.float32, device=sample.device)
+    denoised = sample + (1 - t) * velocity.to(torch.float32)
+    ratio = sigma_next.to(sample.device, torch.float32) / sigma.to(sample.device, torch.float32)
+    return ratio * sample + (1.0 - ratio) * denoised
+
+
+def noise_condition(clean: torch.Tensor, noise: torch.Tensor, t: float = CONDITION_NOISE_AUG) -> torch.Tensor:
+    """Noise augmentation of a condition latent: `t * clean + (1 - t) * noise`."""
+    t = torch.tensor(t, dtype=clean.dtype, device=clean.device)
+    return t * clean + (1.0 - t) * noise
+
+
+def initial_noise(video_shape, audio_rows: int, audio_channels: int, seed: int, condition_shapes=()):
+    """Seeded noise, drawn from one CPU generator in the order condition noises, video latent, audio rows.
+
+    This is the diffusers convention (one stream per request); sglang and ComfyUI use other recipes, so the same seed
+    gives different noise there. Returns `(condition_noises, video [1, C, T, H, W], audio rows [2*Ta, C_a])`.
+    """
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    conditions = [torch.randn(tuple(shape), generator=generator, dtype=torch.float32) for shape in condition_shapes]
+    video = torch.randn(tuple(video_shape), generator=generator, dtype=torch.float32)
+    audio = torch.randn((audio_rows, audio_channels), generator=generator, dtype=torch.float32)
+    return conditions, video, audio
+
+
+class Interrupted(H3Error):
+    """Raised when the caller's interrupt check asks the sampling loop to stop."""
+
+
+@dataclass
+class DenoiseResult:
+    video_rows: torch.Tensor  # target video rows [Tv*h*w, C*4], float32
+    audio_rows: torch.Tensor  # target audio rows [2*Ta, C_a], float32
+
+
+def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
+            audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, progress=None,
+            check_interrupt=None) -> DenoiseResult:
+    """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
+
+    `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
+    condition rows are never updated. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
+    step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
+    to stop.
+    """
+    device = next(iter(model.parameters())).device
+    kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
+    previous_hook = getattr(model, "before_block", None)
+    if check_interrupt is not None and hasattr(model, "before_block"):
+        model.before_block = lambda index: check_interrupt()  # interruption honoured within one block
+    text = text_states[None].to(device)
+    video = video_rows.to(device, torch.float32).clone()
+    audio = audio_rows.to(device, torch.float32).clone()
+    nc = int(num_condition_video_rows)
+    total = schedule.num_model_calls
+    if progress is not None:
+        progress(0, total)
+    try:
+        with torch.no_grad():
+            for i in range(total):
+                if check_interrupt is not None:
+                    check_interrupt()
+                t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
+                timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
+                v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
+                                         timestep_indices.to(device), **kwargs)
+                if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
+                    raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()), f"step {i + 1}")
+                video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
+                                        schedule.video_sigmas[i + 1])
+                audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
+                                   schedule.audio_sigmas[i + 1])
+                if progress is not None:
+                    progress(i + 1, total)
+    finally:
+        if hasattr(model, "before_block"):
+            model.before_block = previous_hook
+    return DenoiseResult(video[nc:], audio)
+
+
+def non_finite_error(component: str, checkpoint_files, where: str) -> H3Error:
+    """An output came out NaN/Inf: name the checkpoint tensor responsible when there is one."""
+    from ..checkpoints.safetensors_io import first_non_finite
+
+    culprit = first_non_finite(checkpoint_files)
+    if culprit is not None:
+        path, key = culprit
+        return H3Error(f"{path}: tensor '{key}' contains NaN or Inf values, so {component} produced NaN/Inf at "
+                       f"{where}. The file is corrupt; download it again.")
+    return H3Error(f"{component} produced NaN/Inf at {where} although its weights are finite: the numbers overflowed. "
+                   "Run in float32 or bfloat16 rather than float16, or check the inputs.")

@@ -1,0 +1,130 @@
+"""Where the four H3 components are: an official diffusers folder, an original release folder or partition, a ComfyUI
+`models/` folder, or a Hugging Face repo id (only the needed folders are downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointError, H3Error
+from .hub import download_partition
+
+PARTITIONS = ("fl2va", "ref2va")
+DEFAULT_TEXT_ENCODER_LAYER = 50
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """The four components (a folder or a single file each) and the tokenizer, as `h3_core.load_*` take them."""
+
+    transformer: Path
+    text_encoder: Path
+    video_vae: Path
+    audio_vae: Path
+    tokenizer: Path | None = None
+    text_encoder_layer: int = DEFAULT_TEXT_ENCODER_LAYER
+    root: Path | None = None
+
+    def replace(self, **changes) -> "ModelSources":
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update({k: Path(v) if isinstance(v, (str, os.PathLike)) and k != "text_encoder_layer" else v
+                       for k, v in changes.items() if v is not None})
+        return ModelSources(**values)
+
+
+def is_repo_id(text: str) -> bool:
+    return bool(_REPO_ID.match(text)) and ".." not in text
+
+
+def _minimax_block(folder: Path) -> dict:
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return {}
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{index}: cannot read JSON ({exc}).", path=index) from None
+    block = data.get("_minimax_h3") if isinstance(data, dict) else None
+    return block if isinstance(block, dict) else {}
+
+
+def _first_existing(folder: Path, names) -> Path | None:
+    for name in names:
+        if (folder / name).exists():
+            return folder / name
+    return None
+
+
+def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8", "fp8", "nvfp4")) -> Path:
+    """The first file (or folder, for text encoders in the official layout) matching `pattern`, skipping quantised
+    and pruned variants, which h3-stream does not run."""
+    candidates = sorted(p for p in folder.glob(pattern) if not any(x in p.name for x in exclude)
+                        and (p.suffix == ".safetensors" or p.is_dir()))
+    if not candidates:
+        raise CheckpointError(f"{folder}: no {what} file matching '{pattern}'. Put the ComfyUI repack file there or "
+                              "point at an official / partition folder instead.", path=folder)
+    return candidates[0]
+
+
+def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline: bool | None = None,
+                  cache_dir: str | os.PathLike | None = None, hub_only: bool = False) -> ModelSources:
+    """Find the four components of an H3 download.
+
+    `model` is an official diffusers folder (`transformer/`, `text_encoder/`, `vae/`, `audio_vae/`, `tokenizer/`), an
+    original release folder or one of its partitions (`FL2VA/`, `Ref2VA/`: `transformer/`, `video_vae/`,
+    `audio_vae/`, `text_encoder/`), a ComfyUI `models/` folder (`diffusion_models/`, `text_encoders/`, `vae/`), or a
+    Hugging Face repo id, of which only the needed folders are downloaded (offline mode is respected).
+    `hub_only=True` accepts a repo id only, never a local path (for inputs that must not reach arbitrary folders).
+    """
+    if partition not in PARTITIONS:
+        raise H3Error(f"partition must be one of {PARTITIONS}, got {partition!r}.")
+    if hub_only:
+        if not is_repo_id(str(model)):
+            raise H3Error(f"{model!r} is not a Hugging Face repo id ('owner/name', letters, digits, '.', '_', '-'); "
+                          "local folders go in ComfyUI's models/h3 folder instead.")
+        return resolve_model(download_partition(str(model), partition, offline, cache_dir), partition=partition)
+    path = Path(model).expanduser()
+    if not path.exists():
+        text = str(model)
+        if not is_repo_id(text):
+            raise CheckpointError(f"{text}: no such folder, and not a Hugging Face repo id ('owner/name').",
+                                  path=path)
+        path = download_partition(text, partition, offline, cache_dir)
+    if path.is_file():
+        raise CheckpointError(f"{path}: a single file holds one component; give the folder of the whole model (or "
+                              "pass the component files separately).", path=path)
+    block = _minimax_block(path)
+    layer = int(block.get("text_encoder_layer", DEFAULT_TEXT_ENCODER_LAYER))
+    transformer_name = "transformer" if partition == "fl2va" else "transformer_ref"
+    if (path / "vae").is_dir() and (path / "audio_vae").is_dir() and (path / transformer_name).is_dir():
+        return ModelSources(path / transformer_name, path / "text_encoder", path / "vae", path / "audio_vae",
+                            _first_existing(path, ["tokenizer", "processor"]), layer, path)
+    partition_dir = _first_existing(path, ["FL2VA", "fl2va"] if partition == "fl2va" else ["Ref2VA", "ref2va"])
+    if partition_dir is not None and not (path / "video_vae").is_dir():
+        return resolve_model(partition_dir, partition=partition, offline=offline)
+    if (path / "video_vae").is_dir() and (path / "transformer").is_dir():
+        return ModelSources(path / "transformer", path / "text_encoder", path / "video_vae", path / "audio_vae",
+                            _first_existing(path, ["tokenizer", "processor"]), layer, path)
+    if (path / "diffusion_models").is_dir() and (path / "vae").is_dir():
+        te_folder = path / "text_encoders"
+        return ModelSources(
+            _comfy_file(path / "diffusion_models", f"minimax_h3*{partition}*.safetensors", "H3 transformer"),
+            _comfy_file(te_folder, "qwen3vl*minimax_h3*", "H3 text encoder"),
+            _comfy_file(path / "vae", "minimax_h3_video_vae*.safetensors", "H3 video VAE"),
+            _comfy_file(path / "vae", "minimax_h3_audio_vae*.safetensors", "H3 audio VAE"),
+            _first_existing(te_folder, ["tokenizer.json", "tokenizer"]), layer, path)
+    raise CheckpointError(
+        f"{path}: not an H3 model folder. Expected an official diffusers folder (transformer/, text_encoder/, vae/, "
+        "audio_vae/), an original release folder (FL2VA/ or Ref2VA/ with transformer/, video_vae/, audio_vae/, "
+        "text_encoder/), or a ComfyUI models folder (diffusion_models/, text_encoders/, vae/).",
+        path=path,
+    )
+
+
+def safetensors_files(source: Path) -> list[Path]:
+    source = Path(source)
+    return [source] if source.is_file() else sorted(source.rglob("*.safetensors"))

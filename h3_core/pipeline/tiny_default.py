@@ -1,0 +1,230 @@
+"""The embedded tiny default: a random-weight H3 stack small enough to run on a laptop CPU in seconds.
+
+It exists to check an install end to end (CLI, pipeline, ComfyUI nodes) without downloading 130 GB; its output is
+noise. On first use it is generated deterministically (fixed seeds) into a cache folder in real file layouts — a
+ComfyUI `models/` tree: `diffusion_models/`, `text_encoders/` (an official Qwen3-VL folder with its tokenizer), `vae/`
+— and it is then loaded through the same loaders as real weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..models.dit_config import H3DiTConfig
+
+TINY_VERSION = "tiny-v1"
+TEXT_ENCODER_LAYER = 2
+
+# Qwen's special tokens start at 151643; H3 adds 7 at 151669-151675. The tiny vocabulary keeps those ids.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+    "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+    "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+    "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)
+QWEN_FIRST_SPECIAL_ID = 151643
+H3_TOKENS = ("<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
+             "<|caption_end|>")
+H3_FIRST_ID = 151669
+QWEN_VOCAB_SIZE = 151936
+QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                      r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKENIZER_CORPUS = (
+    "A red fox runs across a snowy field at dawn, its breath visible in the cold air.",
+    "Picture 1: a quiet harbour with fishing boats. Picture 2: the same harbour at night.",
+    "The singer whispers the lyrics while a piano plays softly in the background.",
+    "Close-up of waves crashing on black volcanic rocks; seagulls cry overhead.",
+    "Ein Hund läuft über die Wiese. Le chat dort sur le canapé. 日本語のテキストも少し。",
+    "Numbers 0123456789 and punctuation: (brackets), [lists], {braces} & symbols!",
+)
+
+TINY_DIT = H3DiTConfig(
+    num_layers=2, num_refiner_layers=1, hidden_size=64, num_attention_heads=2, attention_head_dim=32, ffn_dim=128,
+    in_channels=24, audio_in_channels=32, text_dim=32, freq_dim=32, time_embed_hidden_dim=64, time_embed_dim=32,
+    rope_freq_dim=4,
+)
+
+
+def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
+    """A Qwen-style byte-level BPE `tokenizer.json` (trained on a few sentences) with the special tokens at their
+    real ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(list(TOKENIZER_CORPUS) * 4, trainer)
+    data = json.loads(tokenizer.to_str())
+    specials = {t: QWEN_FIRST_SPECIAL_ID + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
+    if with_h3_tokens:
+        specials.update({t: H3_FIRST_ID + i for i, t in enumerate(H3_TOKENS)})
+    # The BPE vocabulary stops near 600; listing the specials in it too pins them to their real ids.
+    data["model"]["vocab"].update(specials)
+    data["added_tokens"] = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+         "special": True}
+        for t, i in specials.items()
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return path
+
+
+def cache_root() -> Path:
+    """`$H3_STREAM_CACHE`, else `$XDG_CACHE_HOME/h3-stream`, else `~/.cache/h3-stream`."""
+    if os.environ.get("H3_STREAM_CACHE"):
+        return Path(os.environ["H3_STREAM_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "h3-stream"
+
+
+def _randomize(module: nn.Module, seed: int) -> None:
+    """Seeded weights that keep activations in range: 1 +- 0.1 for norm scales, N(0, 1/fan_in) for the rest."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(module.named_parameters()):
+            leaf = name.rsplit(".", 1)[-1]
+            if param.ndim == 1 and ("norm" in name or leaf in ("weight", "alpha", "beta", "scale")):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif param.ndim == 1:
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+            else:
+                fan_in = param[0].numel()
+                param.copy_(torch.randn(param.shape, generator=generator) / fan_in ** 0.5)
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path))
+
+
+def _write_dit(root: Path) -> None:
+    from ..models.dit import H3DiT
+
+    model = H3DiT(TINY_DIT)
+    _randomize(model, seed=1)
+    # ComfyUI repack layout: native names, QKV already in logical order; config read from the shapes.
+    _save(model.state_dict(), root / "diffusion_models" / "minimax_h3_tiny_fl2va_fp32.safetensors")
+
+
+def _text_encoder_configs():
+    text = dict(vocab_size=QWEN_VOCAB_SIZE, hidden_size=TINY_DIT.text_dim, intermediate_size=64,
+                num_hidden_layers=TEXT_ENCODER_LAYER, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                rms_norm_eps=1e-6, hidden_act="silu",
+                rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=TINY_DIT.text_dim,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0], hidden_act="gelu_pytorch_tanh")
+    return {"architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+            "text_config": text, "vision_config": vision, "torch_dtype": "float32"}
+
+
+def _write_text_encoder(root: Path) -> None:
+    from ..models.text_encoder import TextEncoder, TextEncoderConfig
+
+    raw = _text_encoder_configs()
+    model = TextEncoder(TextEncoderConfig.from_hf_dict(raw), TEXT_ENCODER_LAYER)
+    _randomize(model, seed=2)
+    folder = root / "text_encoders" / "qwen3vl_tiny_minimax_h3"
+    # The official Hugging Face Qwen3-VL layout: config.json plus model.safetensors with its key names.
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name.startswith("language_model."):
+            state["model.language_model." + name[len("language_model."):]] = tensor
+        elif name.startswith("vision_tower."):
+            state["model.visual." + name[len("vision_tower."):]] = tensor
+    _save(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(raw, indent=2))
+    write_tiny_tokenizer(folder / "tokenizer.json")
+
+
+def _interleave_qkv(tensor: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    rest = tensor.shape[1:]
+    return tensor.reshape(3, heads, head_dim, *rest).transpose(0, 1).reshape(tensor.shape)
+
+
+def _write_vaes(root: Path) -> None:
+    from ..models.audio_vae import AudioVAE, AudioVAEConfig
+    from ..models.video_vae import VideoVAE, VideoVAEConfig
+
+    g = torch.Generator().manual_seed(3)
+    stats = lambda n: (tuple((0.1 * torch.randn(n, generator=g)).tolist()),  # noqa: E731
+                       tuple((0.8 + 0.4 * torch.rand(n, generator=g)).tolist()))
+    # The single-file layouts do not carry a config: widths come from the shapes, the rest (strides, rates, head
+    # width 64, 32 norm groups) is the released model's, so the tiny VAEs keep those.
+    video_mean, video_std = stats(24)
+    video_config = VideoVAEConfig(block_out_channels=(32,) * 6, layers_per_block=1, decoder_num_layers=1,
+                                  decoder_num_heads=1, decoder_head_dim=64, decoder_ffn_dim=96,
+                                  latents_mean=video_mean, latents_std=video_std)
+    video = VideoVAE(video_config)
+    _randomize(video, seed=4)
+    state = dict(video.state_dict())
+    for name in list(state):
+        if ".attn.to_qkv." in name:  # ComfyUI keeps the native per-head interleaved QKV rows
+            state[name] = _interleave_qkv(state[name], video_config.decoder_num_heads, video_config.decoder_head_dim)
+    state["latents_mean"] = torch.tensor(video_mean)
+    state["latents_std"] = torch.tensor(video_std)
+    _save(state, root / "vae" / "minimax_h3_video_vae_tiny_fp32.safetensors")
+
+    audio_mean, audio_std = stats(32)
+    audio_config = AudioVAEConfig(encoder_dim=4, latent_dim=64, decoder_dim=128, latents_mean=audio_mean,
+                                  latents_std=audio_std)
+    audio = AudioVAE(audio_config)
+    _randomize(audio, seed=5)
+    state = dict(audio.state_dict())
+    state["latents_mean"] = torch.tensor(audio_mean)
+    state["latents_std"] = torch.tensor(audio_std)
+    _save(state, root / "vae" / "minimax_h3_audio_vae_tiny_fp32.safetensors")
+
+
+def write_tiny_model(root: Path) -> Path:
+    """Write the whole tiny stack into `root` (a ComfyUI-style models folder)."""
+    root.mkdir(parents=True, exist_ok=True)
+    _write_dit(root)
+    _write_text_encoder(root)
+    _write_vaes(root)
+    (root / "model_index.json").write_text(json.dumps({
+        "_minimax_h3": {"schema_version": 1, "partition": "fl2va", "tiny_random": True,
+                        "text_encoder_layer": TEXT_ENCODER_LAYER}}, indent=2))
+    return root
+
+
+def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> Path:
+    """The tiny model's folder, generated on first use (written to a temporary folder, then renamed into place so an
+    interrupted run never leaves half a model behind)."""
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    target = root / TINY_VERSION
+    if (target / "model_index.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    if log:
+        log(f"generating the tiny default model into {target} (first use only)")
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=root))
+    try:
+        write_tiny_model(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "model_index.json").is_file():  # not a concurrent writer finishing first
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,365 @@
+"""The platform object: every device-dependent fact and operation of h3_core, in one place.
+
+Every other module asks a `Platform` instead of testing a device type:
+
+* copy semantics: `asynchronous_copies` (CUDA: pinned slabs, a copy stream and events, prefetch 1 by default),
+  streams and events (inline no-ops where the device has none), the host page-locker;
+* reclaim policy: `default_reclaim_every` (MPS frees are deferred until the command buffers drain, so every release
+  synchronises and empties the cache), `synchronize()`, `empty_cache()`;
+* chunk caps: `chunking`, how the device's attention behaves as far as row chunk sizes are concerned;
+* autocast: `decode_autocast_dtype()`, the video decoder's autocast recipe (fp16 on CUDA only);
+* admission facts: `unified_memory` (Apple MPS: a resident component is a second copy of weights already mapped
+  from disk, so every component must stream), `default_residency`, `device_key()`;
+* memory counters: `allocated_bytes()`, `driver_bytes()`, `reset_peak()`, `peak_allocated_bytes()`, and the host's
+  `peak_rss_bytes()`.
+
+A `Platform` is cheap and immutable; `Platform("mps")` describes MPS on any machine (the admission rules and chunk
+caps are testable everywhere); its device operations touch the device only when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import H3Error
+
+GiB = 1 << 30
+
+
+# ---- what a device's attention allows, for chunk sizing ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChunkingBackend:
+    """How a device's attention behaves, as far as chunk sizing is concerned.
+
+    `materializes_scores`: SDPA builds the whole `[heads, query rows, key rows]` score matrix (MPS) instead of
+    running a fused kernel whose workspace does not grow with the key rows (CUDA flash / memory-efficient, CPU flash).
+    `max_buffer_bytes`: no single temporary may be larger (MPS: about 4 GiB per Metal buffer).
+    `long_sequence_rows` / `max_long_sequence_query_rows`: above that many rows, at most that many query rows per
+    chunk (MPS SDPA silently corrupts long non-causal attention with larger query blocks).
+    `min_query_rows`: the attention query pass of a chunked forward takes at least this many rows per call, when
+    the kernel is slower on fewer (its workspace does not grow with them, so only q and the output rows do).
+    """
+
+    name: str
+    materializes_scores: bool = False
+    max_buffer_bytes: int | None = None
+    long_sequence_rows: int | None = None
+    max_long_sequence_query_rows: int | None = None
+    min_query_rows: int = 1
+
+
+# ---- streams and events of a device that runs work in issue order ------------------------------------------------
+
+
+class InlineStream:
+    """The stream of a device that runs work in issue order (the CPU, MPS as exposed): waits are already satisfied."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class InlineEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_INLINE_STREAM = InlineStream()
+
+
+# ---- per-kind device operations (private: callers go through Platform) -------------------------------------------
+
+
+class _HostOps:
+    """The CPU as the device: nothing to wait for, no allocator to read or return memory to."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def synchronize(self) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+    def allocated_bytes(self) -> int | None:
+        return None
+
+    def driver_bytes(self) -> int | None:
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak_allocated_bytes(self) -> int | None:
+        return None
+
+    def new_stream(self):
+        return InlineStream()
+
+    def current_stream(self):
+        return _INLINE_STREAM
+
+    def on_stream(self, stream):
+        return contextlib.nullcontext()
+
+    def new_event(self):
+        return InlineEvent()
+
+    def host_pinner(self):
+        return None
+
+    def name(self) -> str:
+        return self.device.type
+
+
+class _MpsOps(_HostOps):
+    def synchronize(self) -> None:
+        torch.mps.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.mps.empty_cache()
+
+    def allocated_bytes(self) -> int | None:
+        return int(torch.mps.current_allocated_memory())
+
+    def driver_bytes(self) -> int | None:
+        return int(torch.mps.driver_allocated_memory())
+
+
+class _CudaOps(_HostOps):
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def allocated_bytes(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def driver_bytes(self) -> int | None:
+        return int(torch.cuda.memory_reserved(self.device))
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak_allocated_bytes(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def new_stream(self):
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self):
+        return torch.cuda.current_stream(self.device)
+
+    def on_stream(self, stream):
+        return torch.cuda.stream(stream)
+
+    def new_event(self):
+        return torch.cuda.Event()
+
+    def name(self) -> str:
+        return torch.cuda.get_device_name(self.device)
+
+    def host_pinner(self):
+        from .host_store import CudaHostPinner
+
+        return CudaHostPinner()
+
+
+@dataclass(frozen=True)
+class _Facts:
+    ops: type
+    chunking: ChunkingBackend
+    unified_memory: bool = False
+    asynchronous_copies: bool = False
+    default_reclaim_every: int = 0  # releases between synchronize + empty_cache; 0 = never
+    decode_autocast: torch.dtype | None = None  # the video decoder's default autocast dtype
+    has_index: bool = True  # devices are told apart by an index (cuda:0, cuda:1)
+
+
+_FACTS = {
+    # ATen's CPU flash attention tiles queries by 256 rows from 768 query rows up, by 64 (or 32) below, and streams
+    # all of K and V once per tile: 256-row calls at 12,432 keys were 14 % slower than 768-row calls (same work).
+    "cpu": _Facts(_HostOps, ChunkingBackend("cpu", min_query_rows=768), has_index=False),
+    # The reference decodes under fp16 autocast on CUDA only (sglang `autocast_enabled_for_device`).
+    "cuda": _Facts(_CudaOps, ChunkingBackend("cuda"), asynchronous_copies=True, decode_autocast=torch.float16),
+    "mps": _Facts(_MpsOps, ChunkingBackend("mps", materializes_scores=True, max_buffer_bytes=4 * GiB,
+                                           long_sequence_rows=12_288, max_long_sequence_query_rows=2048),
+                  unified_memory=True, default_reclaim_every=1),
+}
+
+
+class PlatformError(H3Error):
+    """A setting asks for something the platform cannot do (e.g. fp16 decode autocast off CUDA)."""
+
+
+@dataclass(frozen=True)
+class Platform:
+    """One device kind (`device_type`: "cuda", "mps" or "cpu"; other kinds behave as the CPU) and its index.
+
+    Two platforms are equal when their kinds are: the rules and caps are per kind.
+    """
+
+    device_type: str
+    index: int | None = field(default=None, compare=False)
+
+    @classmethod
+    def for_device(cls, device: torch.device | str) -> "Platform":
+        device = torch.device(device)
+        return cls(device.type, device.index)
+
+    @classmethod
+    def detect(cls) -> "Platform":
+        """The best accelerator of this machine."""
+        if torch.cuda.is_available():
+            return cls("cuda")
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            return cls("mps")
+        return cls("cpu")
+
+    # ---- facts ----------------------------------------------------------------------------------------------
+
+    @property
+    def _facts(self) -> _Facts:
+        return _FACTS.get(self.device_type, _FACTS["cpu"])
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device; a CUDA device without an index is the current one (so slots and streams agree)."""
+        if self.index is None and self.device_type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.device_type, self.index) if self.index is not None else torch.device(self.device_type)
+
+    @property
+    def host_is_device(self) -> bool:
+        """The CPU computes: device memory is the process's own (its RSS), with no allocator to ask."""
+        return self._facts.ops is _HostOps
+
+    def name(self) -> str:
+        """The device as a person would name it (the GPU model on CUDA)."""
+        return self._ops.name()
+
+    @property
+    def unified_memory(self) -> bool:
+        """Host and device share one memory: a resident copy of mapped weights is a second copy (Apple MPS)."""
+        return self._facts.unified_memory
+
+    @property
+    def default_residency(self) -> str:
+        """What residency "auto" means here: layerwise where memory is unified (admission requires it)."""
+        return "layerwise" if self.unified_memory else "resident"
+
+    @property
+    def asynchronous_copies(self) -> bool:
+        """Host-to-device copies can run on their own stream from page-locked memory (CUDA)."""
+        return self._facts.asynchronous_copies
+
+    @property
+    def default_prefetch(self) -> int:
+        return 1 if self.asynchronous_copies else 0
+
+    @property
+    def default_reclaim_every(self) -> int:
+        return self._facts.default_reclaim_every
+
+    @property
+    def chunking(self) -> ChunkingBackend:
+        return self._facts.chunking
+
+    def decode_autocast_dtype(self, enabled: bool | None = None) -> torch.dtype | None:
+        """The video decoder's autocast dtype: None (no autocast) or fp16 where the reference uses it (CUDA).
+
+        `enabled=None` takes the platform's default; True where the recipe does not exist raises `PlatformError`.
+        """
+        recipe = self._facts.decode_autocast
+        if enabled is None:
+            return recipe
+        if enabled and recipe is None:
+            raise PlatformError(f"decode_autocast=True on {self.device_type}: fp16 autocast is a CUDA-only recipe (the "
+                                "reference disables it on MPS and CPU). Leave decode_autocast unset.")
+        return recipe if enabled else None
+
+    def device_key(self, device: torch.device | str) -> str:
+        """A name telling devices apart for "one device" rules: `mps:0`, `cuda:1`, `cpu`."""
+        device = torch.device(device)
+        if not _FACTS.get(device.type, _FACTS["cpu"]).has_index:
+            return device.type
+        return f"{device.type}:{device.index or 0}"
+
+    def is_kind_of(self, device: torch.device | str) -> bool:
+        """`device` is of this platform's kind."""
+        return torch.device(device).type == self.device_type
+
+    # ---- device operations ----------------------------------------------------------------------------------
+
+    @property
+    def _ops(self):
+        return self._facts.ops(self.device)
+
+    def synchronize(self) -> None:
+        self._ops.synchronize()
+
+    def empty_cache(self) -> None:
+        self._ops.empty_cache()
+
+    def allocated_bytes(self) -> int | None:
+        """Bytes the device allocator holds for tensors now; None where there is no device allocator."""
+        return self._ops.allocated_bytes()
+
+    def driver_bytes(self) -> int | None:
+        """Bytes the driver holds for this process (cached blocks included) where it reports it."""
+        return self._ops.driver_bytes()
+
+    def reset_peak(self) -> None:
+        self._ops.reset_peak()
+
+    def peak_allocated_bytes(self) -> int | None:
+        """Peak tensor bytes since `reset_peak` where the allocator tracks it."""
+        return self._ops.peak_allocated_bytes()
+
+    def new_stream(self):
+        return self._ops.new_stream()
+
+    def current_stream(self):
+        return self._ops.current_stream()
+
+    def on_stream(self, stream):
+        return self._ops.on_stream(stream)
+
+    def new_event(self):
+        return self._ops.new_event()
+
+    def host_pinner(self):
+        """Page-locks host memory for asynchronous copies; None where copies are synchronous anyway."""
+        return self._ops.host_pinner()
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set of this process since it started (Linux: VmHWM; macOS reports ru_maxrss in bytes)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+    except (ImportError, OSError):
+        return None
