@@ -343,9 +343,8 @@ class H3DiT(nn.Module):
         # while the forward runs; load_dit(residency="layerwise") replaces both (see residency.py).
         self.block_residency = AllResident(c.num_layers)
         self.weight_phases = PhaseScopedWeights()
+        # The default chunking of every forward; a call may pass its own (`forward(..., chunking=)`).
         self.chunking = ChunkingPolicy()
-        # Called with the block index before each block: the place for a caller's interrupt check.
-        self.before_block: Callable[[int], None] | None = None
 
     def close(self) -> None:
         """Give streamed weights back to their host store (restoring the original parameters); the model is then
@@ -402,7 +401,10 @@ class H3DiT(nn.Module):
         return F.silu(self.time_embedder(timestep))
 
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
-                token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False):
+                token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False, *,
+                chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None):
+        """The diffusers call, plus two options of this call only: `chunking` (default: the model's `chunking`) and
+        `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check)."""
         self._check_inputs(hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
                            token_tags, position_ids, video_indices, audio_indices, text_indices)
         rows = position_ids.shape[0]
@@ -421,13 +423,13 @@ class H3DiT(nn.Module):
 
         time_act = self.embed_time(timestep)
         adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
-        chunks = self.chunking.plan(rows, self.config, batch=x.shape[0], dtype=x.dtype, device=x.device)
+        chunks = (chunking or self.chunking).plan(rows, self.config, batch=x.shape[0], dtype=x.dtype, device=x.device)
         residency = self.block_residency
         residency.begin_pass()
         try:
             for i, block in enumerate(self.blocks):
-                if self.before_block is not None:
-                    self.before_block(i)  # e.g. the caller's interrupt check, between blocks
+                if before_block is not None:
+                    before_block(i)  # e.g. the caller's interrupt check, between blocks
                 residency.acquire(i)  # block i on the device (and the next `prefetch` on their way)
                 x = block(x, time_act, adaln_index, rope, chunks)
                 residency.release(i)

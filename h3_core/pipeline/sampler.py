@@ -121,19 +121,21 @@ class DenoiseResult:
 
 def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
             audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, progress=None,
-            check_interrupt=None) -> DenoiseResult:
+            check_interrupt=None, chunking=None) -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
     condition rows are never updated. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
     step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
-    to stop.
+    to stop (it is also passed to the model as `before_block`: interruption is honoured within one block).
+    `chunking` (a `ChunkingPolicy`) is this run's row chunking; None keeps the model's. Neither changes the model.
     """
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
-    previous_hook = getattr(model, "before_block", None)
-    if check_interrupt is not None and hasattr(model, "before_block"):
-        model.before_block = lambda index: check_interrupt()  # interruption honoured within one block
+    if check_interrupt is not None:
+        kwargs["before_block"] = lambda index: check_interrupt()
+    if chunking is not None:
+        kwargs["chunking"] = chunking
     text = text_states[None].to(device)
     video = video_rows.to(device, torch.float32).clone()
     audio = audio_rows.to(device, torch.float32).clone()
@@ -141,26 +143,22 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     total = schedule.num_model_calls
     if progress is not None:
         progress(0, total)
-    try:
-        with torch.no_grad():
-            for i in range(total):
-                if check_interrupt is not None:
-                    check_interrupt()
-                t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
-                timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
-                v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
-                                         timestep_indices.to(device), **kwargs)
-                if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
-                    raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()), f"step {i + 1}")
-                video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
-                                        schedule.video_sigmas[i + 1])
-                audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
-                                   schedule.audio_sigmas[i + 1])
-                if progress is not None:
-                    progress(i + 1, total)
-    finally:
-        if hasattr(model, "before_block"):
-            model.before_block = previous_hook
+    with torch.no_grad():
+        for i in range(total):
+            if check_interrupt is not None:
+                check_interrupt()
+            t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
+            timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
+            v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
+                                     timestep_indices.to(device), **kwargs)
+            if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
+                raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()), f"step {i + 1}")
+            video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
+                                    schedule.video_sigmas[i + 1])
+            audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
+                               schedule.audio_sigmas[i + 1])
+            if progress is not None:
+                progress(i + 1, total)
     return DenoiseResult(video[nc:], audio)
 
 
