@@ -438,3 +438,41 @@ def test_chunked_matches_fused_on_cuda(checkpoints, inputs):
     for chunk_size in (1, 7, 64):
         video, audio = run(model, cuda_inputs, chunk_size)
         assert rel_l2(video, fused[0]) <= 1e-5 and rel_l2(audio, fused[1]) <= 1e-5
+
+
+# ---- one forward: fused and chunked run the same functions ----------------------------------------------------------
+
+
+def test_fused_and_chunked_enter_the_same_attention_and_mlp_code(model, inputs, fused_output, monkeypatch):
+    """Every block's attention (main blocks through their AdaLN wrapper, refiner blocks plain) enters
+    `Attention.forward` once per forward whatever the chunking, and the MLP runs its chunk loop; only the row ranges
+    differ. A second, fused-only branch anywhere would leave the counts of the fused run different."""
+    from h3_core.models.dit import Attention, SwiGLU
+
+    calls = {"attention": [], "mlp_rows": []}
+    attention_forward, mlp_forward = Attention.forward, SwiGLU.forward
+
+    def counting_attention(self, x, rope=None, chunks=FUSED, **hooks):
+        calls["attention"].append((chunks.size, sorted(hooks)))
+        return attention_forward(self, x, rope, chunks, **hooks)
+
+    def counting_mlp(self, x):
+        calls["mlp_rows"].append(x.shape[1])
+        return mlp_forward(self, x)
+
+    monkeypatch.setattr(Attention, "forward", counting_attention)
+    monkeypatch.setattr(SwiGLU, "forward", counting_mlp)
+    blocks, refiners = TINY.num_layers, TINY.num_refiner_layers
+    text_rows = LAYOUT["text_len"]
+
+    fused = run(model, inputs, None)
+    assert calls["attention"] == [(None, [])] * refiners + [(None, ["finish", "prepare"])] * blocks
+    assert calls["mlp_rows"] == [text_rows] * refiners + [ROWS] * blocks
+    for key in calls:
+        calls[key].clear()
+
+    chunked = run(model, inputs, 64, ANY_QUERY_ROWS)
+    assert calls["attention"] == [(None, [])] * refiners + [(64, ["finish", "prepare"])] * blocks
+    assert calls["mlp_rows"] == [text_rows] * refiners + [64, 64, ROWS - 128] * blocks
+    assert all(torch.equal(a, b) for a, b in zip(fused, fused_output))  # the counting wrappers change nothing
+    assert all(rel_l2(a, b) <= 1e-6 for a, b in zip(chunked, fused_output))

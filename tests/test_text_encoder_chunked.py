@@ -50,3 +50,37 @@ def test_chunked_and_layerwise_together(source):
 def test_bad_chunk_size(source, bad):
     with pytest.raises(ChunkingError, match="chunk_size must be a positive integer"):
         h3_core.load_text_encoder(source.text_encoder, layer=source.text_encoder_layer, chunk_size=bad)
+
+
+def test_fused_and_chunked_enter_the_same_layer_code(source, monkeypatch):
+    """Fused (no chunk size) and chunked prompts run through the same attention and MLP loops: each decoder layer
+    enters `Attention.forward` once and the MLP once per row chunk; only the row ranges differ."""
+    from h3_core.models.text_encoder import Attention, SwiGLU
+
+    calls = {"attention": [], "mlp_rows": []}
+    attention_forward, mlp_forward = Attention.forward, SwiGLU.forward
+
+    def counting_attention(self, x, cos, sin, chunks):
+        calls["attention"].append(chunks.size)
+        return attention_forward(self, x, cos, sin, chunks)
+
+    def counting_mlp(self, x):
+        calls["mlp_rows"].append(x.shape[1])
+        return mlp_forward(self, x)
+
+    monkeypatch.setattr(Attention, "forward", counting_attention)
+    monkeypatch.setattr(SwiGLU, "forward", counting_mlp)
+    fused = h3_core.load_text_encoder(source.text_encoder, layer=source.text_encoder_layer)
+    chunked = h3_core.load_text_encoder(source.text_encoder, layer=source.text_encoder_layer, chunk_size=16)
+    layers = len(fused.language_model.layers)
+
+    want, _ = fused.encode(PROMPT)
+    rows = want.shape[0]
+    assert calls == {"attention": [None] * layers, "mlp_rows": [rows] * layers}
+    calls["attention"].clear()
+    calls["mlp_rows"].clear()
+
+    got, _ = chunked.encode(PROMPT)
+    sizes = [16] * (rows // 16) + ([rows % 16] if rows % 16 else [])
+    assert calls == {"attention": [16] * layers, "mlp_rows": sizes * layers}
+    assert rel(got, want) <= 1e-6

@@ -72,7 +72,8 @@ class Attention(nn.Module):
     Runs over row chunks in two passes (one chunk of all rows is the fused path): pass 1 projects keys and values of
     every row through the K/V row slice of the fused weight, pass 2 projects each query chunk through the Q slice
     and attends against the full K and V. Every weight row is applied to every input row exactly once, as in one fused
-    projection.
+    projection. The main blocks wrap the same two passes with their AdaLN input and gated residual (`prepare` /
+    `finish` in `forward`), so there is one attention loop for every caller and chunk size.
     """
 
     def __init__(self, hidden_size: int, heads: int, head_dim: int, qk_norm_eps: float):
@@ -125,14 +126,32 @@ class Attention(nn.Module):
         return keys, values
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                chunks: RowChunks = FUSED) -> torch.Tensor:
+                chunks: RowChunks = FUSED, *, prepare: Callable | None = None,
+                finish: Callable | None = None) -> torch.Tensor:
+        """Attention over the rows of `x` (B, S, hidden) -> a new (B, S, hidden) tensor; `x` is left untouched.
+
+        `prepare(start, end, rows)` makes the attention input of rows `[start, end)` from `x[:, start:end]` (the
+        main block's AdaLN-modulated norm); it is kept in the output buffer until those rows' queries are projected.
+        `finish(start, end, attended)` gives what the output holds for those rows (the block's gated residual).
+        Without them the input is `x` itself and the output is the attention result.
+        """
         rows = x.shape[1]
         keys = values = out = None
+        # Pass 1: keys and values of every row. A prepared input is kept in `out`: pass 2 needs it for the queries.
         for start, end in chunks.ranges(rows):
-            keys, values = self.write_keys_values(x[:, start:end], rope_slice(rope, start, end), keys, values,
-                                                  start, rows)
+            h = x[:, start:end]
+            if prepare is not None:
+                h = prepare(start, end, h)
+                out = h.new_empty((x.shape[0], rows, h.shape[-1])) if out is None else out
+                out[:, start:end] = h
+            keys, values = self.write_keys_values(h, rope_slice(rope, start, end), keys, values, start, rows)
+        source = x if prepare is None else out
+        # Pass 2: a chunk's input rows are read once, for its queries, then replaced by its output.
         for start, end in chunks.query_ranges(rows):
-            result = self.attend(self.project_queries(x[:, start:end], rope_slice(rope, start, end)), keys, values)
+            queries = self.project_queries(source[:, start:end], rope_slice(rope, start, end))
+            result = self.attend(queries, keys, values)
+            if finish is not None:
+                result = finish(start, end, result)
             out = result.new_empty((x.shape[0], rows, result.shape[-1])) if out is None else out
             out[:, start:end] = result
         return out
@@ -229,21 +248,15 @@ class TransformerBlock(nn.Module):
     def attention_residual(self, x, modulation, adaln_index, rope, chunks: RowChunks = FUSED) -> torch.Tensor:
         """`x + gate1 * attn(norm1(x) * (1 + scale1) + shift1)` as a new tensor; `x` is left untouched."""
         shift, scale, gate = modulation[:3]
-        rows = x.shape[1]
-        out = keys = values = None
-        # Pass 1: keys and values of every row. The modulated input is kept in `out`: pass 2 needs it for the queries.
-        for start, end in chunks.ranges(rows):
+
+        def modulated_input(start: int, end: int, rows: torch.Tensor) -> torch.Tensor:
             index = adaln_index[start:end]
-            h = self.norm1(x[:, start:end]) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
-            out = h.new_empty((x.shape[0], rows, h.shape[-1])) if out is None else out
-            out[:, start:end] = h
-            keys, values = self.attn.write_keys_values(h, rope_slice(rope, start, end), keys, values, start, rows)
-        # Pass 2: a chunk's modulated rows are read once, for its queries, then replaced by its residual output.
-        for start, end in chunks.query_ranges(rows):
-            queries = self.attn.project_queries(out[:, start:end], rope_slice(rope, start, end))
-            attended = self.attn.attend(queries, keys, values)
-            out[:, start:end] = x[:, start:end] + gate.index_select(0, adaln_index[start:end]) * attended
-        return out
+            return self.norm1(rows) * (1.0 + scale.index_select(0, index)) + shift.index_select(0, index)
+
+        def gated_residual(start: int, end: int, attended: torch.Tensor) -> torch.Tensor:
+            return x[:, start:end] + gate.index_select(0, adaln_index[start:end]) * attended
+
+        return self.attn(x, rope, chunks, prepare=modulated_input, finish=gated_residual)
 
     def mlp_residual_(self, x, modulation, adaln_index, chunks: RowChunks = FUSED) -> torch.Tensor:
         """`x + gate2 * mlp(norm2(x) * (1 + scale2) + shift2)`, written into `x` chunk by chunk (rows independent)."""

@@ -204,28 +204,29 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 chunks: RowChunks = FUSED) -> torch.Tensor:
-        """One forward for every chunk size: with row chunks, keys and values are projected chunk by chunk into
-        full-length buffers, then each chunk of queries attends to the keys up to its last row (causal)."""
+        """One forward for every chunk size (`FUSED` is one chunk of all rows): keys and values are projected chunk
+        by chunk, then each chunk of queries attends to the keys up to its last row (causal)."""
         batch, rows, _ = x.shape
-        if chunks.size is None or chunks.size >= rows:
-            q = self._rotated(self.q_proj, self.q_norm, x, cos, sin)
-            k = self._rotated(self.k_proj, self.k_norm, x, cos, sin)
-            v = self.v_proj(x).view(batch, rows, -1, self.head_dim).transpose(1, 2)
-            return self.o_proj(causal_attention(q, k, v).transpose(1, 2).reshape(batch, rows, -1))
         keys = values = out = None
         for start, end in chunks.ranges(rows):
             k = self._rotated(self.k_proj, self.k_norm, x[:, start:end], cos[start:end], sin[start:end])
             v = self.v_proj(x[:, start:end]).view(batch, end - start, -1, self.head_dim).transpose(1, 2)
+            if end - start == rows:  # one chunk: the projections are the full-length keys and values, no copy
+                keys, values = k, v
+                continue
             if keys is None:
                 keys = k.new_empty(k.shape[:2] + (rows, self.head_dim))
                 values = v.new_empty(keys.shape)
             keys[:, :, start:end], values[:, :, start:end] = k, v
         for start, end in chunks.ranges(rows):
             q = self._rotated(self.q_proj, self.q_norm, x[:, start:end], cos[start:end], sin[start:end])
-            # Query row i (absolute start + i) sees keys 0 .. start + i.
-            mask = torch.ones(end - start, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
+            # Query row i (absolute start + i) sees keys 0 .. start + i; for all rows that is plain causal attention.
+            mask = None if end - start == rows else \
+                torch.ones(end - start, end, dtype=torch.bool, device=x.device).tril(diagonal=start)
             attended = causal_attention(q, keys[:, :, :end], values[:, :, :end], mask)
             result = self.o_proj(attended.transpose(1, 2).reshape(batch, end - start, -1))
+            if end - start == rows:
+                return result
             out = result.new_empty((batch, rows, result.shape[-1])) if out is None else out
             out[:, start:end] = result
         return out
@@ -253,9 +254,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 chunks: RowChunks = FUSED) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, chunks)
-        if chunks.size is None or chunks.size >= x.shape[1]:
-            return x + self.mlp(self.post_attention_layernorm(x))
-        for start, end in chunks.ranges(x.shape[1]):  # rows are independent in the MLP: one chunk at a time
+        # Rows are independent in the MLP: one chunk at a time, written into the new residual `x` in place.
+        for start, end in chunks.ranges(x.shape[1]):
             rows = x[:, start:end]
             x[:, start:end] = rows + self.mlp(self.post_attention_layernorm(rows))
         return x
