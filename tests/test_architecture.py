@@ -208,3 +208,25 @@ def test_each_platform_fact_has_one_source():
 
 class _Widths:
     hidden_size, inner_dim, ffn_dim, num_attention_heads = 64, 64, 128, 4
+
+
+# The public names the README documents; outside checks import them from `h3_core` whatever moves inside.
+PUBLIC_NAMES = (
+    "AdmissionError AllResident BlockHooks BlockResidency CheckpointError ComponentPlan ChunkingBackend ChunkingError "
+    "ChunkingPolicy EveryNChunks H3DiT H3DiTConfig H3Error H3Tokenizer LatentShape LayerwiseOffloadManager "
+    "PackedLayout PhaseScopedWeights PickleCheckpointError Platform Residency ResidencyError Schedule TextEncoder "
+    "build_packed_layout check_admission chunk_rows_for_budget ensure_tiny_model euler_step frames_for_seconds "
+    "initial_noise layerwise_manager load_audio_vae load_dit load_text_encoder load_video_vae patchify "
+    "plan_for_budget resolve_dit_checkpoint row_timesteps sigma_schedule unpatchify"
+).split()
+
+
+def test_the_facade_keeps_the_public_names():
+    import h3_core
+    import h3_core.pipeline as pipeline
+
+    assert sorted(h3_core.__all__) == sorted(PUBLIC_NAMES)
+    assert all(hasattr(h3_core, name) for name in PUBLIC_NAMES)
+    for name in ("H3Pipeline", "ModelSources", "resolve_model", "plan_components", "Conditioning", "Latents",
+                 "GenerationResult"):
+        assert hasattr(pipeline, name), name
