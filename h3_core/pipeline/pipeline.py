@@ -6,6 +6,7 @@ stay, so peak memory is that of the largest phase rather than the sum of all fou
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -18,9 +19,11 @@ from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_audio_vae, load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
+from ..runtime.chunking import ChunkingPolicy
 from .keyframes import pil_to_frames, prepare_keyframes
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
+from .media import audio_samples_for_frames
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)
 from .sources import ModelSources, safetensors_files
@@ -54,6 +57,21 @@ class GenerationResult:
     fps: int = FPS
     sample_rate: int = AUDIO_SAMPLE_RATE
     timings: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResidencySummary:
+    """Where a loaded component's blocks live: `resident_blocks` of its `total_blocks` stay on the device, the
+    others stream from host memory (`residency` "resident" or "layerwise")."""
+
+    residency: str
+    resident_blocks: int
+    total_blocks: int
+
+
+# The module that runs each component's block loop (it holds the `block_residency`).
+_BLOCK_LOOP = {"text_encoder": lambda model: model.language_model, "transformer": lambda model: model,
+               "video_vae": lambda model: model.decoder, "audio_vae": lambda model: model.decoder}
 
 
 class H3Pipeline:
@@ -117,6 +135,16 @@ class H3Pipeline:
         for name in list(self._loaded):
             self.release(name)
 
+    def residency_summary(self, name: str) -> ResidencySummary | None:
+        """The block placement of a loaded component; None when it is not loaded (nothing is loaded here)."""
+        if name not in self.COMPONENTS:
+            raise H3Error(f"unknown component {name!r}; use one of {self.COMPONENTS}.")
+        if name not in self._loaded:
+            return None
+        stats = _BLOCK_LOOP[name](self._loaded[name]).block_residency.stats()
+        resident = len(stats.resident_blocks)
+        return ResidencySummary(str(stats.residency.value), resident, resident + len(stats.streamed_blocks))
+
     # -- phases --------------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
@@ -139,7 +167,11 @@ class H3Pipeline:
 
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
                video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
-               check_interrupt=None) -> Latents:
+               check_interrupt=None, chunk_size: int | None = None,
+               between_chunks: Callable[[], None] | None = None) -> Latents:
+        """The sampling loop. `chunk_size` (packed rows per chunk) and `between_chunks` (run after every row chunk,
+        e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting. Neither
+        changes the model."""
         schedule = Schedule.build(steps, video_shift, audio_shift)
         condition_latents = []
         if cond.keyframes:
@@ -161,21 +193,37 @@ class H3Pipeline:
         video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
         result = denoise(dit, cond.states, layout, schedule, video_rows, audio_noise,
                          num_condition_video_rows=layout.num_condition_video_rows, progress=progress,
-                         check_interrupt=check_interrupt)
+                         check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks))
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape)
 
-    def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _chunking(dit, chunk_size, between_chunks) -> ChunkingPolicy | None:
+        """This call's chunking: the transformer's policy with the call's overrides (None when there are none)."""
+        if chunk_size is None and between_chunks is None:
+            return None
+        overrides = {"chunk_size": chunk_size} if chunk_size is not None else {}
+        if between_chunks is not None:
+            overrides["between_chunks"] = between_chunks
+        return dataclasses.replace(dit.chunking, **overrides)  # validated again by ChunkingPolicy
+
+    def decode_video(self, latents: Latents) -> torch.Tensor:
+        """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause."""
         frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
         if not torch.isfinite(frames).all():
             raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding")
+        return frames.contiguous()
+
+    def decode_audio(self, latents: Latents) -> torch.Tensor:
+        """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length."""
         waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
         if not torch.isfinite(waveform).all():
             raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding")
-        from .media import audio_samples_for_frames
+        return waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
 
-        return frames, waveform[:, : audio_samples_for_frames(frames.shape[0])]
+    def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decode_video(latents), self.decode_audio(latents)
 
     def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
