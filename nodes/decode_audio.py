@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .node_report import memory_report
+from .telemetry import memory_report
 from .sockets import H3Latent, H3Model
 
 
@@ -26,14 +26,11 @@ class H3StreamDecodeAudio(io.ComfyNode):
     @classmethod
     def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
         from h3_core.pipeline.layout import AUDIO_SAMPLE_RATE
-        from h3_core.pipeline.media import audio_samples_for_frames
 
         pipeline = h3_model.pipeline
         comfy_runtime.free_memory_for({"audio_vae": pipeline.sources.audio_vae}, h3_model.settings, pipeline.device)
         with memory_report(cls.hidden.unique_id, h3_model, "audio decode"):
             comfy_runtime.check_interrupt()
-            vae = pipeline.component("audio_vae")
-            waveform = vae.decode(h3_latent.audio.to(pipeline.device))[0]
+            waveform = pipeline.decode_audio(h3_latent)
         comfy_runtime.soft_empty_cache()
-        waveform = waveform[:, : audio_samples_for_frames(h3_latent.shape.num_frames)].float().cpu().contiguous()
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

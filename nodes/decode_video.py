@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .node_report import memory_report
+from .telemetry import memory_report
 from .sockets import H3Latent, H3Model
 
 
@@ -31,7 +31,6 @@ class H3StreamDecodeVideo(io.ComfyNode):
         comfy_runtime.free_memory_for({"video_vae": pipeline.sources.video_vae}, h3_model.settings, pipeline.device)
         with memory_report(cls.hidden.unique_id, h3_model, "video decode"):
             comfy_runtime.check_interrupt()
-            vae = pipeline.component("video_vae")
-            frames = vae.decode(h3_latent.video.to(pipeline.device))[0]
+            frames = pipeline.decode_video(h3_latent)
         comfy_runtime.soft_empty_cache()
-        return io.NodeOutput(frames.float().cpu().contiguous(), float(FPS))
+        return io.NodeOutput(frames, float(FPS))

@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from .memory_probe import DevicePeak, host_peak_bytes
 from .sockets import H3Model
-
-GIB = 1 << 30
-
-
-def _gib(value) -> str:
-    return "n/a" if value is None else f"{value / GIB:.2f} GiB"
+from .telemetry import DevicePeak, gib, host_peak_bytes
 
 
 class H3StreamMemoryReport(io.ComfyNode):
@@ -38,7 +32,7 @@ class H3StreamMemoryReport(io.ComfyNode):
     def execute(cls, h3_model, after=None) -> io.NodeOutput:
         device = h3_model.pipeline.device
         lines = [h3_model.description,
-                 f"device {device}: {_gib(DevicePeak(device).bytes())} now",
-                 f"host: process peak {_gib(host_peak_bytes())}"]
+                 f"device {device}: {gib(DevicePeak(device).bytes())} now",
+                 f"host: process peak {gib(host_peak_bytes())}"]
         text = "\n".join(lines)
         return io.NodeOutput(text, ui=ui.PreviewText(text))

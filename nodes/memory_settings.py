@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-COMPONENTS = ("transformer", "text_encoder", "video_vae", "audio_vae")
+from h3_core.components import COMPONENTS
+
 RESIDENT = "RESIDENT"
 LAYERWISE_OFFLOAD = "LAYERWISE_OFFLOAD"
 RESIDENCIES = (RESIDENT, LAYERWISE_OFFLOAD)
@@ -88,6 +89,22 @@ class MemorySettings:
         from h3_core.runtime.admission import ComponentPlan
 
         return {name: ComponentPlan(_CORE_RESIDENCY.get(value, value), self.device) for name, value in self.residency}
+
+    def check_admission(self) -> None:
+        """h3_core's admission rules for the device (on MPS every component streams); raises AdmissionError."""
+        from h3_core.runtime.admission import Platform, check_admission
+
+        check_admission(self.admission_plan(), Platform.for_device(self.device))
+
+    def admission_error(self) -> str | None:
+        """The admission verdict as a validation message (h3_core's rules and wording), None when admitted."""
+        from h3_core.runtime.admission import AdmissionError
+
+        try:
+            self.check_admission()
+        except AdmissionError as error:
+            return str(error)
+        return None
 
     def describe(self) -> str:
         placed = ", ".join(f"{name} {value.lower()}" for name, value in self.residency)

@@ -5,35 +5,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .node_report import memory_report
+from .request_inputs import canvas_error, canvas_inputs
 from .sockets import H3Cond, H3Conditioning, H3Model
-
-MAX_CANVAS = 4096
-CANVAS_TOOLTIP = ("Canvas {what} in pixels (multiple of 32). Keyframes are fitted to it before the vision encoder "
-                  "sees them, so it must equal the sampler's {what} when a keyframe is connected.")
-
-
-def canvas_inputs() -> list:
-    return [io.Int.Input("width", default=1344, min=32, max=MAX_CANVAS, step=32,
-                         tooltip=CANVAS_TOOLTIP.format(what="width")),
-            io.Int.Input("height", default=768, min=32, max=MAX_CANVAS, step=32,
-                         tooltip=CANVAS_TOOLTIP.format(what="height"))]
-
-
-def canvas_error(width, height) -> str | None:
-    from h3_core.errors import H3Error
-    from h3_core.pipeline.layout import check_canvas
-
-    if width is None or height is None:
-        return None  # linked: checked when the node runs
-    for name, value in (("width", width), ("height", height)):
-        if not 32 <= value <= MAX_CANVAS:
-            return f"{name} must be between 32 and {MAX_CANVAS} pixels, got {value}."
-    try:
-        check_canvas(width, height)
-    except H3Error as error:
-        return str(error)
-    return None
+from .telemetry import memory_report
 
 
 class H3StreamTextEncode(io.ComfyNode):

@@ -1,0 +1,60 @@
+"""The pack's memory telemetry: the figures (read through h3_core's `Platform`: CUDA keeps a true peak of allocated
+bytes, Apple MPS only reports what its driver holds now, the CPU has no device allocator; the process peak RSS), the
+report each node sends after it ran (the web extension's badge, and the log for headless runs) and its wording. No
+device or OS test lives in the nodes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from h3_core.runtime.platform import Platform, peak_rss_bytes
+
+from . import comfy_runtime
+
+GIB = 1 << 30
+
+
+class DevicePeak:
+    """Device memory over one node's run: started (peak counter reset) when created, read with `bytes()`."""
+
+    def __init__(self, device: torch.device | str):
+        self.ops = Platform.for_device(device)
+        self.ops.reset_peak()
+
+    def bytes(self) -> int | None:
+        peak = self.ops.peak_allocated_bytes()
+        return peak if peak is not None else self.ops.driver_bytes()
+
+
+def host_peak_bytes() -> int | None:
+    """Peak resident set of this process since it started."""
+    return peak_rss_bytes()
+
+
+def gib(value) -> str:
+    return "n/a" if value is None else f"{value / GIB:.2f} GiB"
+
+
+@contextlib.contextmanager
+def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
+    """Measure the device peak over the body and send the report when it finishes. `blocks_of` names a component
+    whose block placement (resident / total blocks) the report adds, read from the pipeline once the body ran."""
+    pipeline = handle.pipeline
+    device_peak = DevicePeak(pipeline.device)
+    yield
+    report = dict(phase=phase, device=str(pipeline.device), peak_device_bytes=device_peak.bytes(),
+                  peak_host_bytes=host_peak_bytes())
+    placement = pipeline.residency_summary(blocks_of) if blocks_of else None
+    if placement is not None:
+        report["resident_blocks"], report["total_blocks"] = placement.resident_blocks, placement.total_blocks
+    comfy_runtime.send_memory_report(node_id, report, summary(report))
+
+
+def summary(report: dict) -> str:
+    """One line for the node's progress text: shown under the node by every frontend renderer."""
+    parts = [f"device peak {gib(report['peak_device_bytes'])}", f"host peak {gib(report['peak_host_bytes'])}"]
+    if "total_blocks" in report:
+        parts.append(f"{report['resident_blocks']}/{report['total_blocks']} blocks resident")
+    return f"{report['phase']}: " + ", ".join(parts)
