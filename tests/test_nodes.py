@@ -276,6 +276,32 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
     assert freed == [handle.pipeline.sources.video_vae.stat().st_size, handle.pipeline.sources.audio_vae.stat().st_size]
 
 
+def test_decode_nodes_name_a_corrupt_vae_tensor(pack):
+    """The decode nodes go through the pipeline's decode, so NaN/Inf output is caught and its tensor named."""
+    import folder_paths
+    from safetensors.torch import load_file, save_file
+
+    from h3_core.errors import H3Error
+    from h3_core.pipeline.tiny_default import ensure_tiny_model
+
+    root = Path(folder_paths.models_dir) / "h3" / "poisoned"
+    shutil.copytree(ensure_tiny_model(), root)
+    for pattern, key, value in (("minimax_h3_video_vae*", "decoder.transformer_blocks.0.ff.w2.weight", float("inf")),
+                                ("minimax_h3_audio_vae*", "decoder.conv_post.weight", float("nan"))):
+        path = next((root / "vae").glob(pattern))
+        state = load_file(path)
+        state[key] = torch.full_like(state[key], value)
+        save_file(state, path)
+    handle = load(pack, source="models/h3 folder", h3_folder="poisoned")
+    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=encode(pack, handle), **SAMPLER)
+    with pytest.raises(H3Error, match=r"tensor 'decoder\.transformer_blocks\.0\.ff\.w2\.weight' contains NaN or "
+                                      r"Inf values, so the video VAE produced NaN/Inf at decoding"):
+        run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
+    with pytest.raises(H3Error, match=r"tensor 'decoder\.conv_post\.weight' contains NaN or Inf values, so the "
+                                      r"audio VAE produced NaN/Inf at decoding"):
+        run(pack["H3StreamDecodeAudio"], "5", h3_model=handle, h3_latent=latents)
+
+
 def test_same_seed_same_latents_and_other_seed_other_latents(pack):
     handle = load(pack)
     cond = encode(pack, handle)

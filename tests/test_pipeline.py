@@ -182,6 +182,59 @@ def test_progress_and_interrupt(pipeline):
     assert torch.equal(run(pipeline).frames, run(pipeline).frames)
 
 
+def test_chunking_is_an_option_of_one_sample_call(pipeline):
+    """`sample(chunk_size=, between_chunks=)` chunk this call only: the transformer's own policy is untouched."""
+    from h3_core.pipeline.layout import LatentShape
+    from h3_core.runtime.chunking import ChunkingError
+
+    cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
+    shape = LatentShape.for_request(64, 96, 5)
+    fused = pipeline.sample(cond, shape, steps=3, seed=3)
+    policy = pipeline.component("transformer").chunking
+    saved = vars(policy).copy()
+    reclaims = []
+    chunked = pipeline.sample(cond, shape, steps=3, seed=3, chunk_size=16, between_chunks=lambda: reclaims.append(1))
+    assert reclaims  # ran between the row chunks of this call
+    assert pipeline.component("transformer").chunking is policy and vars(policy) == saved
+    assert torch.allclose(chunked.video, fused.video, atol=1e-5, rtol=0)
+    assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
+    reclaims.clear()
+    assert torch.equal(pipeline.sample(cond, shape, steps=3, seed=3).video, fused.video) and not reclaims
+    with pytest.raises(ChunkingError, match="chunk_size must be a positive integer"):
+        pipeline.sample(cond, shape, steps=3, seed=3, chunk_size=0)
+
+
+def test_decode_video_and_audio_are_the_two_halves_of_decode(pipeline):
+    from h3_core.pipeline.layout import LatentShape
+    from h3_core.pipeline.media import audio_samples_for_frames
+
+    cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
+    latents = pipeline.sample(cond, LatentShape.for_request(64, 96, 22), steps=3, seed=3)
+    frames, waveform = pipeline.decode_video(latents), pipeline.decode_audio(latents)
+    assert frames.shape == (22, 96, 64, 3) and frames.dtype == torch.float32 and frames.is_contiguous()
+    assert waveform.shape == (2, audio_samples_for_frames(22)) and waveform.is_contiguous()  # trimmed to the video
+    both = pipeline.decode(latents)
+    assert torch.equal(both[0], frames) and torch.equal(both[1], waveform)
+
+
+def test_residency_summary_of_a_loaded_component(tiny):
+    from h3_core.pipeline.pipeline import ResidencySummary
+
+    logged = []
+    pipe = H3Pipeline(resolve_model(tiny), component_options={
+        "transformer": {"residency": "layerwise", "resident_blocks": 1}}, log=logged.append)
+    assert pipe.residency_summary("transformer") is None and not logged  # not loaded, and asking does not load it
+    pipe.component("transformer")
+    pipe.component("video_vae")
+    assert pipe.residency_summary("transformer") == ResidencySummary("layerwise", 1, 2)
+    video = pipe.residency_summary("video_vae")
+    assert video.residency == "resident" and video.resident_blocks == video.total_blocks > 0
+    with pytest.raises(H3Error, match="unknown component 'vae'"):
+        pipe.residency_summary("vae")
+    pipe.release_all()
+    assert pipe.residency_summary("transformer") is None
+
+
 # ---- model sources ----------------------------------------------------------------------------------------------
 
 
