@@ -1,18 +1,23 @@
-"""Checkpoint plumbing shared by every loader: how a model tensor is made from stored tensors, the row
-permutations the released layouts need, and the strict key / shape / dtype check."""
+"""Checkpoint plumbing shared by every loader: one checkpoint record, one resolver skeleton, how a model tensor is
+made from stored tensors (with the row permutations the released layouts need), and the strict key / shape / dtype
+check."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError, PickleCheckpointError
-from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile
+from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -23,6 +28,86 @@ class WeightSpec:
     keys: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     combine: Callable[..., torch.Tensor] | None = None
+
+
+@dataclass
+class Checkpoint:
+    """A resolved checkpoint of one component: its layout and config, where every stored key lives and how each
+    model tensor is made from them; nothing is read until a tensor is asked for."""
+
+    component: str  # one of `h3_core.components.COMPONENTS`
+    source: Path
+    layout: str
+    config: Any
+    files: dict[str, SafetensorsFile]  # stored key -> file
+    specs: list[WeightSpec]
+    allowed_extra: set[str] = field(default_factory=set)  # stored keys that are recognised but never read
+    defaults: dict = field(default_factory=dict)  # loader option defaults the checkpoint's config carries
+
+    def tensors(self, spec: WeightSpec) -> tuple[torch.Tensor, ...]:
+        """The stored (memory-mapped) tensors `spec` is made from."""
+        return tuple(self.files[k].tensor(k) for k in spec.keys)
+
+    def weight(self, spec: WeightSpec) -> torch.Tensor:
+        tensors = self.tensors(spec)
+        return spec.combine(*tensors) if spec.combine else tensors[0]
+
+    def numel(self, spec: WeightSpec) -> int:
+        """Stored elements behind `spec`, read from the headers."""
+        return sum(math.prod(self.files[k].shape(k)) for k in spec.keys)
+
+    @property
+    def paths(self) -> list[Path]:
+        return sorted({f.path for f in self.files.values()})
+
+    def check(self, describe: str, **rules) -> "Checkpoint":
+        """`check_tensors` against the specs, `allowed_extra` aside; `rules` are its dtype rules. Returns self."""
+        check_tensors(self.source, self.files, expected_shapes(self.specs), describe,
+                      ignore=self.allowed_extra.__contains__, **rules)
+        return self
+
+
+def resolve_source(source: str | os.PathLike, hint: str, single_file: Callable[[Path], T],
+                   folder: Callable[[Path], T], owning_folder: Callable[[Path], Path | None] = lambda path: None) -> T:
+    """The opening every resolver shares: an existing path that is not a pickle file, then `single_file(path)` for a
+    `.safetensors` file or `folder(path)` for a folder. `hint` says what to give instead of a missing path;
+    `owning_folder(path)` is the checkpoint folder a weights file belongs to, resolved as that folder (None: none)."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder. {hint}", path=path)
+    refuse_pickle(path)
+    if path.is_file() and owning_folder(path) is not None:
+        path = owning_folder(path)
+    if path.is_file():
+        if path.suffix.lower() != ".safetensors":
+            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
+        return single_file(path)
+    return folder(path)
+
+
+def shape_reader(path: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = ""):
+    """`shape(key)` and `need(key)`: the shape of stored key `prefix + key`, None / a `CheckpointError` naming the
+    key when absent. For configs read from tensor shapes; `what` names the model the file should be."""
+    def shape(key: str) -> tuple[int, ...] | None:
+        key = prefix + key
+        return files[key].shape(key) if key in files else None
+
+    def need(key: str) -> tuple[int, ...]:
+        found = shape(key)
+        if found is None:
+            raise CheckpointError(f"{path}: missing key '{prefix + key}', needed to read the model size; the file is "
+                                  f"not a complete {what}.", path=path, key=prefix + key)
+        return found
+
+    return shape, need
+
+
+def count_indexed(shape: Callable[[str], tuple[int, ...] | None], pattern: str) -> int:
+    """How many of `pattern.format(0)`, `pattern.format(1)`, ... `shape` finds, counting until the first gap."""
+    n = 0
+    while shape(pattern.format(n)) is not None:
+        n += 1
+    return n
 
 
 def deinterleave_rows(heads: int, head_dim: int):
@@ -93,6 +178,7 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: expected a JSON object.", path=path)
     return data
 
+
 def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
     """Map every tensor key of `<stem>*.safetensors` in `folder` (through the index when there is one) to its file."""
     index_path = folder / f"{stem}.safetensors.index.json"
@@ -142,6 +228,7 @@ def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
                 raise CheckpointError(f"{path}: key '{key}' also appears in {files[key].path}.", path=path, key=key)
             files[key] = shard
     return files
+
 
 def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_name, _, leaf = name.rpartition(".")

@@ -15,52 +15,27 @@ placed, and each problem raises one `CheckpointError` naming the file and key.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from ..runtime.admission import ComponentPlan, check_admission
-from ..runtime.platform import Platform
-from ..runtime.chunking import ChunkingPolicy
-from .checkpoint import (WeightSpec, cat_rows, check_tensors, deinterleave_rows, expected_shapes, open_folder_files,
-                         read_json, set_tensor, swap_halves)
-from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
-from ..models.dit import H3DiT, RotaryEmbedding3D
 from ..errors import CheckpointError
+from ..models.dit import H3DiT, RotaryEmbedding3D
+from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
+from ..runtime.chunking import ChunkingPolicy
 from ..runtime.host_store import HostTensor
-from ..runtime.offload_backends import SynchronousBackend
-from ..runtime.layerwise import LayerwiseOffloadManager, layerwise_manager
-from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.residency import Residency
-from .safetensors_io import SafetensorsFile, refuse_pickle
+from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
+                         open_folder_files, read_json, resolve_source, shape_reader, swap_halves)
+from .placement import attach_layerwise, residency_manager, set_tensor
+from .safetensors_io import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."
 # Parameters kept float32 whatever dtype is requested: the released checkpoint's fp32 islands.
 FP32_ISLANDS = ("video_patch_proj.", "audio_patch_proj.", "time_embedder.", "final_layer.video_out.",
                 "final_layer.audio_out.", "rope.")
 LAYOUTS = ("diffusers", "native", "comfy")
-
-
-@dataclass
-class DiTCheckpoint:
-    """A resolved, validated checkpoint: its layout, config, and where every source key lives."""
-
-    source: Path
-    layout: str
-    config: H3DiTConfig
-    files: dict[str, SafetensorsFile]  # source key -> file
-    specs: list[WeightSpec]
-
-    def weight(self, spec: WeightSpec) -> torch.Tensor:
-        tensors = [self.files[k].tensor(k) for k in spec.keys]
-        return spec.combine(*tensors) if spec.combine else tensors[0]
-
-    @property
-    def paths(self) -> list[Path]:
-        return sorted({f.path for f in self.files.values()})
 
 
 # ---- key plans ------------------------------------------------------------------------------------------------------
@@ -153,14 +128,7 @@ def _not_a_transformer(path: Path, keys) -> CheckpointError:
     )
 
 
-def _config_from_shapes(path: Path, shape: Callable[[str], tuple[int, ...] | None]) -> H3DiTConfig:
-    def need(key):
-        s = shape(key)
-        if s is None:
-            raise CheckpointError(f"{path}: missing key '{key}', needed to read the model size; the file is not a "
-                                  "complete H3 transformer.", path=path, key=key)
-        return s
-
+def _config_from_shapes(path: Path, shape, need) -> H3DiTConfig:
     hidden, patch_dim = need("video_patch_proj.weight")
     head_dim = need("blocks.0.attn.q_norm.weight")[0]
     inner = need("blocks.0.attn.out_proj.weight")[1]
@@ -168,8 +136,8 @@ def _config_from_shapes(path: Path, shape: Callable[[str], tuple[int, ...] | Non
     inv_freq = shape("rope.inv_freq")
     try:
         return H3DiTConfig(
-            num_layers=_count(shape, "blocks."),
-            num_refiner_layers=_count(shape, "token_refiner.blocks."),
+            num_layers=count_indexed(shape, "blocks.{}.norm1.weight"),
+            num_refiner_layers=count_indexed(shape, "token_refiner.blocks.{}.norm1.weight"),
             hidden_size=hidden,
             num_attention_heads=inner // head_dim,
             attention_head_dim=head_dim,
@@ -187,25 +155,13 @@ def _config_from_shapes(path: Path, shape: Callable[[str], tuple[int, ...] | Non
         raise CheckpointError(f"{path}: tensor shapes do not form an H3 transformer: {exc}", path=path) from None
 
 
-def _count(shape, prefix: str) -> int:
-    n = 0
-    while shape(f"{prefix}{n}.norm1.weight") is not None:
-        n += 1
-    return n
-
-
-def resolve_dit_checkpoint(source: str | os.PathLike) -> DiTCheckpoint:
+def resolve_dit_checkpoint(source: str | os.PathLike) -> Checkpoint:
     """Find the layout of `source`, read its config and open (but do not read) its tensors."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder. Give a diffusers or native transformer folder or a "
-                              "ComfyUI .safetensors file.", path=path)
-    refuse_pickle(path)
-    if path.is_file():
-        if path.suffix.lower() != ".safetensors":
-            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
-        return _resolve_comfy(path)
-    folder = path
+    return resolve_source(source, "Give a diffusers or native transformer folder or a ComfyUI .safetensors file.",
+                          _resolve_comfy, _resolve_folder)
+
+
+def _resolve_folder(folder: Path) -> Checkpoint:
     if not (folder / "config.json").is_file() and (folder / "transformer" / "config.json").is_file():
         folder = folder / "transformer"  # the root of a partition or of the official repo
     config_path = folder / "config.json"
@@ -231,10 +187,10 @@ def resolve_dit_checkpoint(source: str | os.PathLike) -> DiTCheckpoint:
         )
     config = H3DiTConfig.from_dict(raw, source=config_path)
     files = open_folder_files(folder, stem)
-    return _check(DiTCheckpoint(folder, layout, config, files, _plan(layout, config)))
+    return _check(Checkpoint("transformer", folder, layout, config, files, _plan(layout, config)))
 
 
-def _resolve_comfy(path: Path) -> DiTCheckpoint:
+def _resolve_comfy(path: Path) -> Checkpoint:
     file = SafetensorsFile(path)
     keys = file.keys()
     prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
@@ -247,17 +203,14 @@ def _resolve_comfy(path: Path) -> DiTCheckpoint:
         )
     if not any(k.startswith(prefix + "blocks.") for k in keys):
         raise _not_a_transformer(path, keys)
-
-    def shape(key):
-        key = prefix + key
-        return file.shape(key) if key in file else None
-
-    config = _config_from_shapes(path, shape)
     files = {k: file for k in keys}
-    return _check(DiTCheckpoint(path, "comfy", config, files, _plan("comfy", config, prefix)))
+    config = _config_from_shapes(path, *shape_reader(path, files, "H3 transformer", prefix))
+    # rope.inv_freq is recomputed from rope_theta; a repack may still ship it.
+    return _check(Checkpoint("transformer", path, "comfy", config, files, _plan("comfy", config, prefix),
+                             allowed_extra={"rope.inv_freq", COMFY_PREFIX + "rope.inv_freq"}))
 
 
-def _check(ckpt: DiTCheckpoint) -> DiTCheckpoint:
+def _check(ckpt: Checkpoint) -> Checkpoint:
     """Strict key, shape and dtype checks; one error naming the file and key."""
     expected = expected_shapes(ckpt.specs)
     present = set(ckpt.files)
@@ -265,12 +218,9 @@ def _check(ckpt: DiTCheckpoint) -> DiTCheckpoint:
     if missing and not any(k.startswith(("blocks.", "transformer_blocks.", COMFY_PREFIX + "blocks."))
                            for k in present):
         raise _not_a_transformer(ckpt.source, present)
-    allowed_extra = {"rope.inv_freq", COMFY_PREFIX + "rope.inv_freq"} if ckpt.layout == "comfy" else set()
-    check_tensors(ckpt.source, ckpt.files, expected,
-                  f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer", ignore=allowed_extra.__contains__,
-                  dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants are "
-                             "not supported")
-    return ckpt
+    return ckpt.check(f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer",
+                      dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants "
+                                 "are not supported")
 
 
 # ---- building the module --------------------------------------------------------------------------------------------
@@ -317,10 +267,8 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
     chunking = ChunkingPolicy(options.get("chunk_size"), options.get("memory_budget"))  # checked before any reading
     device = torch.device(device)
-    mode = Residency.parse(residency)
-    check_admission({"transformer": ComponentPlan(mode, str(device))}, Platform.for_device(device))
-    layerwise = mode is Residency.LAYERWISE_OFFLOAD
-    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
+    manager = residency_manager("transformer", device, residency, prefetch, resident_blocks)
+    layerwise = manager is not None
     ckpt = resolve_dit_checkpoint(source)
     with torch.device("meta"):
         model = H3DiT(ckpt.config)
@@ -328,7 +276,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     for spec in ckpt.specs:
         if layerwise and _offloaded(spec.name):
             # Keep the memory-mapped sources; the combine (QKV de-interleave, ...) runs when the block is materialised.
-            sources = tuple(ckpt.files[k].tensor(k) for k in spec.keys)
+            sources = ckpt.tensors(spec)
             target = target_dtype(spec.name, sources[0].dtype, dtype)
             recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
             set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
@@ -339,7 +287,9 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
     if layerwise:
-        _attach_layerwise(model, recipes, manager, device)
+        blocks = [(f"blocks.{i}.",) for i in range(len(model.blocks))]
+        model.block_residency, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks,
+                                                                      phases=PHASE_SCOPED, device=device)
     model.eval()
     model.chunking = chunking
     model.checkpoint_layout = ckpt.layout
@@ -351,14 +301,3 @@ def _expected_shape(meta_model: nn.Module, name: str) -> tuple[int, ...]:
     owner_name, _, leaf = name.rpartition(".")
     return tuple(getattr(meta_model.get_submodule(owner_name), leaf).shape)
 
-
-def _attach_layerwise(model: H3DiT, recipes: dict[str, HostTensor], manager: LayerwiseOffloadManager,
-                      device: torch.device) -> None:
-    def unit(prefixes: tuple[str, ...]) -> dict[str, nn.Parameter]:
-        return {name: p for name, p in model.named_parameters() if name.startswith(prefixes)}
-
-    blocks = [unit((f"blocks.{i}.",)) for i in range(len(model.blocks))]
-    model.block_residency = manager.attach(blocks, [{n: recipes[n] for n in b} for b in blocks])
-    phases = {phase: unit(prefixes) for phase, prefixes in PHASE_SCOPED.items()}
-    model.weight_phases = PhaseScopedWeights(SynchronousBackend(device), phases,
-                                             {phase: {n: recipes[n] for n in ps} for phase, ps in phases.items()})

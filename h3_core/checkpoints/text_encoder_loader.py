@@ -17,26 +17,23 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.nn as nn
 
-from ..runtime.admission import ComponentPlan, check_admission
-from ..runtime.platform import Platform
-from .checkpoint import check_tensors, open_folder_files, read_json
-from ..runtime.chunking import check_chunk_size
 from ..errors import CheckpointError, H3Error
-from ..runtime.host_store import HostTensor
-from ..runtime.layerwise import layerwise_manager
-from ..runtime.residency import Residency
-from .placement import attach_layerwise
-from .safetensors_io import SafetensorsFile, refuse_pickle
-from ..models.text_encoder import LanguageModelConfig, TextEncoder, TextEncoderConfig
+from ..models.text_encoder import DecoderLayer, LanguageModelConfig, TextEncoder, TextEncoderConfig
 from ..models.tokenizer import TOKENIZER_FILE, H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, H3Tokenizer
 from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
+from ..runtime.chunking import check_chunk_size
+from ..runtime.host_store import HostTensor
+from ..runtime.residency import Residency
+from .checkpoint import (Checkpoint, WeightSpec, count_indexed, open_folder_files, read_json, resolve_source,
+                         shape_reader)
+from .placement import attach_layerwise, residency_manager, set_tensor
+from .safetensors_io import SafetensorsFile
 
 HF_CLASS_NAME = "Qwen3VLForConditionalGeneration"
 # Longest first: "model." alone is the ComfyUI repack's language-model prefix.
@@ -53,44 +50,23 @@ KNOWN_DEEPSTACK = {(27, 3): (8, 16, 24), (24, 3): (5, 11, 17)}
 _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-@dataclass
-class TextEncoderCheckpoint:
-    """A resolved, validated checkpoint: layout, config and where every tensor H3 reads lives."""
-
-    source: Path
-    layout: str  # "official", "partition" or "comfy"
-    config: TextEncoderConfig
-    files: dict[str, SafetensorsFile]  # checkpoint key -> file
-    language_prefix: str
-    vision_prefix: str | None
-    num_layers_stored: int
-
-    def key_for(self, name: str) -> str:
-        """Checkpoint key of a `TextEncoder` parameter name."""
-        if name.startswith("language_model."):
-            return self.language_prefix + name[len("language_model."):]
-        if name.startswith("vision_tower.") and self.vision_prefix is not None:
-            return self.vision_prefix + name[len("vision_tower."):]
-        raise KeyError(name)
-
-    @property
-    def paths(self) -> list[Path]:
-        return sorted({f.path for f in self.files.values()})
-
-
 # ---- resolving a source ----------------------------------------------------------------------------------------------
 
 
-def _expected_parameters(config: TextEncoderConfig, layer: int) -> dict[str, tuple[int, ...]]:
+def _plan(config: TextEncoderConfig, layer: int, language_prefix: str, vision_prefix: str | None) -> list[WeightSpec]:
+    """One stored tensor per parameter, under the checkpoint's prefixes."""
     with torch.device("meta"):
         model = TextEncoder(config, layer)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    prefixes = {"language_model.": language_prefix, "vision_tower.": vision_prefix}
+    specs = []
+    for name, param in model.named_parameters():
+        ours, _, rest = name.partition(".")
+        specs.append(WeightSpec(name, (prefixes[ours + "."] + rest,), (tuple(param.shape),)))
+    return specs
 
 
 def _layer_parameter_names(config: LanguageModelConfig) -> set[str]:
     with torch.device("meta"):
-        from ..models.text_encoder import DecoderLayer
-
         return {name for name, _ in DecoderLayer(config).named_parameters()}
 
 
@@ -118,42 +94,25 @@ def _not_a_text_encoder(path: Path, keys) -> CheckpointError:
     )
 
 
-def _count_layers(keys: set[str], prefix: str) -> int:
-    n = 0
-    while f"{prefix}layers.{n}.input_layernorm.weight" in keys:
-        n += 1
-    return n
-
-
-def _shape(files: Mapping[str, SafetensorsFile], key: str, path: Path) -> tuple[int, ...]:
-    if key not in files:
-        raise CheckpointError(f"{path}: missing key '{key}', needed to read the model size; the file is not a "
-                              "complete Qwen3-VL text encoder.", path=path, key=key)
-    return files[key].shape(key)
-
-
 def _config_from_shapes(path: Path, files, language_prefix: str, vision_prefix: str | None,
                         num_layers: int) -> TextEncoderConfig:
     """Sizes from the shapes; what shapes cannot tell (norm eps, RoPE, vision heads) is Qwen3-VL-32B's."""
     lp = language_prefix
-    vocab, hidden = _shape(files, lp + "embed_tokens.weight", path)
-    head_dim = _shape(files, lp + "layers.0.self_attn.q_norm.weight", path)[0]
+    shape, need = shape_reader(path, files, "Qwen3-VL text encoder")
+    vocab, hidden = need(lp + "embed_tokens.weight")
+    head_dim = need(lp + "layers.0.self_attn.q_norm.weight")[0]
     language = dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=num_layers, head_dim=head_dim,
-        intermediate_size=_shape(files, lp + "layers.0.mlp.gate_proj.weight", path)[0],
-        num_attention_heads=_shape(files, lp + "layers.0.self_attn.q_proj.weight", path)[0] // head_dim,
-        num_key_value_heads=_shape(files, lp + "layers.0.self_attn.k_proj.weight", path)[0] // head_dim,
+        intermediate_size=need(lp + "layers.0.mlp.gate_proj.weight")[0],
+        num_attention_heads=need(lp + "layers.0.self_attn.q_proj.weight")[0] // head_dim,
+        num_key_value_heads=need(lp + "layers.0.self_attn.k_proj.weight")[0] // head_dim,
         attention_bias=f"{lp}layers.0.self_attn.q_proj.bias" in files,
     )
     vision = None
     if vision_prefix is not None:
         vp = vision_prefix
-        depth = 0
-        while f"{vp}blocks.{depth}.norm1.weight" in files:
-            depth += 1
-        taps = 0
-        while f"{vp}deepstack_merger_list.{taps}.norm.weight" in files:
-            taps += 1
+        depth = count_indexed(shape, vp + "blocks.{}.norm1.weight")
+        taps = count_indexed(shape, vp + "deepstack_merger_list.{}.norm.weight")
         if (depth, taps) not in KNOWN_DEEPSTACK:
             raise CheckpointError(
                 f"{path}: a vision tower of {depth} blocks with {taps} deep-stack mergers is not a released "
@@ -161,12 +120,12 @@ def _config_from_shapes(path: Path, files, language_prefix: str, vision_prefix: 
                 "model's config.json.",
                 path=path,
             )
-        width, channels, temporal, patch, _ = _shape(files, vp + "patch_embed.proj.weight", path)
+        width, channels, temporal, patch, _ = need(vp + "patch_embed.proj.weight")
         vision = VisionTowerConfig(
             depth=depth, hidden_size=width, in_channels=channels, temporal_patch_size=temporal, patch_size=patch,
-            intermediate_size=_shape(files, vp + "blocks.0.mlp.linear_fc1.weight", path)[0],
-            out_hidden_size=_shape(files, vp + "merger.linear_fc2.weight", path)[0],
-            num_position_embeddings=_shape(files, vp + "pos_embed.weight", path)[0],
+            intermediate_size=need(vp + "blocks.0.mlp.linear_fc1.weight")[0],
+            out_hidden_size=need(vp + "merger.linear_fc2.weight")[0],
+            num_position_embeddings=need(vp + "pos_embed.weight")[0],
             deepstack_visual_indexes=KNOWN_DEEPSTACK[(depth, taps)],
         )
     try:
@@ -196,47 +155,11 @@ def _config_from_option(config, path: Path) -> TextEncoderConfig:
         raise CheckpointError(f"{source}: {exc}", path=source) from None
 
 
-def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, config=None) -> TextEncoderCheckpoint:
-    """Find the layout of `source`, read its config and open (but do not read) its tensors."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder. Give the text_encoder/ folder of an H3 download (or "
-                              "its root) or a ComfyUI text_encoders .safetensors file.", path=path)
-    refuse_pickle(path)
-    if path.is_file():
-        if path.suffix.lower() != ".safetensors":
-            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
-        file = SafetensorsFile(path)
-        files = {k: file for k in file.keys()}
-        layout = "comfy"
-        raw_config = None
-    else:
-        folder = path
-        layout = "official"
-        if not (folder / "config.json").is_file() and (folder / "text_encoder" / "config.json").is_file():
-            folder = folder / "text_encoder"  # the root of the official repo or of a partition
-        if (folder.parent / "model_index.json").is_file() and (folder.parent / "transformer").is_dir():
-            index = read_json(folder.parent / "model_index.json")
-            layout = "partition" if "_minimax_h3" in index else "official"
-        config_path = folder / "config.json"
-        if not config_path.is_file():
-            raise CheckpointError(
-                f"{folder}: not a text-encoder folder: no config.json. Expected the text_encoder/ folder of an H3 "
-                "download (config.json + model*.safetensors) or a ComfyUI text_encoders .safetensors file.",
-                path=folder,
-            )
-        raw_config = read_json(config_path)
-        architectures = raw_config.get("architectures") or []
-        if HF_CLASS_NAME not in architectures and raw_config.get("model_type") != "qwen3_vl":
-            raise CheckpointError(
-                f"{config_path}: describes {architectures or raw_config.get('model_type')!r}, not a Qwen3-VL model "
-                f"('{HF_CLASS_NAME}'). Point at the text_encoder/ folder of an H3 download.",
-                path=config_path,
-                key="architectures",
-            )
-        path = folder
-        files = open_folder_files(folder, "model")
-
+def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, config=None) -> Checkpoint:
+    """Find the layout of `source`, read its config and open (but do not read) the tensors read up to `layer`."""
+    path, layout, files, raw_config = resolve_source(
+        source, "Give the text_encoder/ folder of an H3 download (or its root) or a ComfyUI text_encoders "
+        ".safetensors file.", _open_single_file, _open_folder)
     keys = set(files)
     language_prefix, vision_prefix = _find_prefixes(keys)
     if language_prefix is None:
@@ -249,7 +172,8 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
             path=files[quantised[0]].path,
             key=quantised[0],
         )
-    stored = _count_layers(keys, language_prefix)
+    stored = count_indexed(shape_reader(path, files, "Qwen3-VL text encoder")[0],
+                           language_prefix + "layers.{}.input_layernorm.weight")
     if config is not None:
         encoder_config = _config_from_option(config, path)
     elif raw_config is not None:
@@ -267,28 +191,58 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
     if layout == "comfy":
         # The repack is truncated: the file, not the original config, says how many layers exist.
         encoder_config = replace(encoder_config, language=replace(encoder_config.language, num_hidden_layers=stored))
-    ckpt = TextEncoderCheckpoint(path, layout, encoder_config, files, language_prefix, vision_prefix, stored)
-    return _check(ckpt, layer)
+    return _check(path, layout, encoder_config, files, layer, language_prefix, vision_prefix, stored)
 
 
-def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
+def _open_single_file(path: Path):
+    file = SafetensorsFile(path)
+    return path, "comfy", {k: file for k in file.keys()}, None
+
+
+def _open_folder(folder: Path):
+    """The text-encoder folder (`folder` or its `text_encoder/`), its layout, tensors and raw config.json."""
+    layout = "official"
+    if not (folder / "config.json").is_file() and (folder / "text_encoder" / "config.json").is_file():
+        folder = folder / "text_encoder"  # the root of the official repo or of a partition
+    if (folder.parent / "model_index.json").is_file() and (folder.parent / "transformer").is_dir():
+        index = read_json(folder.parent / "model_index.json")
+        layout = "partition" if "_minimax_h3" in index else "official"
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{folder}: not a text-encoder folder: no config.json. Expected the text_encoder/ folder of an H3 "
+            "download (config.json + model*.safetensors) or a ComfyUI text_encoders .safetensors file.",
+            path=folder,
+        )
+    raw_config = read_json(config_path)
+    architectures = raw_config.get("architectures") or []
+    if HF_CLASS_NAME not in architectures and raw_config.get("model_type") != "qwen3_vl":
+        raise CheckpointError(
+            f"{config_path}: describes {architectures or raw_config.get('model_type')!r}, not a Qwen3-VL model "
+            f"('{HF_CLASS_NAME}'). Point at the text_encoder/ folder of an H3 download.",
+            path=config_path,
+            key="architectures",
+        )
+    return folder, layout, open_folder_files(folder, "model"), raw_config
+
+
+def _check(source: Path, layout: str, config: TextEncoderConfig, files: dict[str, SafetensorsFile], layer: int,
+           language_prefix: str, vision_prefix: str | None, num_layers_stored: int) -> Checkpoint:
     """Strict checks of everything that will be read, and no unknown keys; one error naming the file and key."""
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
         raise H3Error(f"layer={layer!r}: must be a positive integer (H3 reads hidden_states[50]).")
-    if layer > ckpt.num_layers_stored:
+    if layer > num_layers_stored:
         raise CheckpointError(
-            f"{ckpt.source}: holds {ckpt.num_layers_stored} decoder layers ('{ckpt.language_prefix}layers.N...') but "
+            f"{source}: holds {num_layers_stored} decoder layers ('{language_prefix}layers.N...') but "
             f"layer={layer} needs {layer}. The checkpoint is truncated too far or incomplete; H3 needs layers "
             "0-49 (layer=50).",
-            path=ckpt.source,
+            path=source,
         )
-    config = ckpt.config
     if layer > config.language.num_hidden_layers:
-        raise CheckpointError(f"{ckpt.source}: its config has {config.language.num_hidden_layers} decoder layers, "
-                              f"fewer than layer={layer}.", path=ckpt.source)
-    expected = {ckpt.key_for(name): shape for name, shape in _expected_parameters(config, layer).items()}
+        raise CheckpointError(f"{source}: its config has {config.language.num_hidden_layers} decoder layers, "
+                              f"fewer than layer={layer}.", path=source)
     layer_names = _layer_parameter_names(config.language)
-    lp = ckpt.language_prefix
+    lp = language_prefix
     outer = next(o for o in reversed(OUTER_PREFIXES) if lp.startswith(o))
 
     def never_read(key: str) -> bool:
@@ -298,24 +252,24 @@ def _check(ckpt: TextEncoderCheckpoint, layer: int) -> TextEncoderCheckpoint:
         match = _LAYER_KEY.fullmatch(key[len(lp):]) if key.startswith(lp) else None
         return bool(match) and int(match.group(1)) >= layer and match.group(2) in layer_names
 
-    check_tensors(ckpt.source, ckpt.files, expected,
-                  f"a {ckpt.layout} Qwen3-VL text encoder read up to layer {layer}", ignore=never_read,
-                  dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
-                  dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) variants are "
-                             "not supported")
-    return ckpt
+    ckpt = Checkpoint("text_encoder", source, layout, config, files, _plan(config, layer, lp, vision_prefix),
+                      allowed_extra={k for k in files if never_read(k)})
+    return ckpt.check(f"a {layout} Qwen3-VL text encoder read up to layer {layer}",
+                      dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
+                      dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) "
+                                 "variants are not supported")
 
 
 # ---- tokenizer and image processor beside the model ------------------------------------------------------------------
 
 
-def _candidate_folders(ckpt: TextEncoderCheckpoint) -> list[Path]:
+def _candidate_folders(ckpt: Checkpoint) -> list[Path]:
     base = ckpt.source if ckpt.source.is_dir() else ckpt.source.parent
     return [base, base.parent / "tokenizer", base.parent / "processor"] if ckpt.source.is_dir() else \
         [base, base / "tokenizer"]
 
 
-def _find_tokenizer(ckpt: TextEncoderCheckpoint, tokenizer) -> H3Tokenizer:
+def _find_tokenizer(ckpt: Checkpoint, tokenizer) -> H3Tokenizer:
     if tokenizer is not None:
         return tokenizer if isinstance(tokenizer, H3Tokenizer) else H3Tokenizer(tokenizer)
     candidates = [folder / TOKENIZER_FILE for folder in _candidate_folders(ckpt)]
@@ -329,7 +283,7 @@ def _find_tokenizer(ckpt: TextEncoderCheckpoint, tokenizer) -> H3Tokenizer:
     )
 
 
-def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, processor) -> tuple[ImageProcessorConfig,
+def _find_processor(ckpt: Checkpoint, tokenizer: H3Tokenizer, processor) -> tuple[ImageProcessorConfig,
                                                                                              Path | None]:
     if isinstance(processor, ImageProcessorConfig):
         return processor, None
@@ -356,12 +310,6 @@ def _find_processor(ckpt: TextEncoderCheckpoint, tokenizer: H3Tokenizer, process
 
 
 # ---- building the module ---------------------------------------------------------------------------------------------
-
-
-def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
 _OPTIONS = ("config", "processor", "chunk_size")
@@ -404,10 +352,8 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
         raise TypeError(f"load_text_encoder() got unknown option(s) {unknown}; supported: {list(_OPTIONS)}.")
     chunk_size = check_chunk_size(options.get("chunk_size"))  # checked before any reading
     device = torch.device(device)
-    mode = Residency.parse(residency)
-    check_admission({"text_encoder": ComponentPlan(mode, str(device))}, Platform.for_device(device))
-    layerwise = mode is Residency.LAYERWISE_OFFLOAD
-    manager = layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks) if layerwise else None
+    manager = residency_manager("text_encoder", device, residency, prefetch, resident_blocks)
+    layerwise = manager is not None
     ckpt = resolve_text_encoder_checkpoint(source, layer, options.get("config"))
     h3_tokenizer = _find_tokenizer(ckpt, tokenizer)
     vocab = ckpt.config.language.vocab_size
@@ -432,16 +378,15 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     with torch.device("meta"):
         model = TextEncoder(ckpt.config, layer)
     recipes: dict[str, HostTensor] = {}
-    for name, _ in list(model.named_parameters()):
-        key = ckpt.key_for(name)
-        weight = ckpt.files[key].tensor(key)
+    for spec in ckpt.specs:
+        weight = ckpt.weight(spec)
         target = dtype or weight.dtype
-        if layerwise and _offloaded(name):
+        if layerwise and _offloaded(spec.name):
             # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
-            recipes[name] = HostTensor((weight,), target, tuple(weight.shape))
-            set_tensor(model, name, torch.empty(0, dtype=target, device=device))
+            recipes[spec.name] = HostTensor((weight,), target, tuple(weight.shape))
+            set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
             continue
-        set_tensor(model, name, weight.to(device=device, dtype=target))
+        set_tensor(model, spec.name, weight.to(device=device, dtype=target))
     if layerwise:
         blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
         model.language_model.block_residency, model.weight_phases = attach_layerwise(

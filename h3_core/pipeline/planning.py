@@ -83,11 +83,9 @@ def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate,
     fixed = 0
     residual_dtype = torch.float32
     for spec in ckpt.specs:
-        file = ckpt.files[spec.keys[0]]
-        stored = file.dtype(spec.keys[0])
-        numel = sum(ckpt.files[k].nbytes(k) // _dtype_bytes(ckpt.files[k].dtype(k)) for k in spec.keys)
+        stored = ckpt.files[spec.keys[0]].dtype(spec.keys[0])
         target = target_dtype(spec.name, stored, dtype)
-        size = numel * _dtype_bytes(target)
+        size = ckpt.numel(spec) * _dtype_bytes(target)
         if spec.name == "condition_proj.weight":
             residual_dtype = target
         if spec.name.startswith("blocks."):
@@ -109,19 +107,15 @@ def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate,
 
 
 def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
-    from ..models.text_encoder import TextEncoder
     from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
 
     ckpt = resolve_text_encoder_checkpoint(source, layer)
-    with torch.device("meta"):
-        model = TextEncoder(ckpt.config, layer)
     layers: dict[int, int] = {}
     fixed = 0
-    for name, param in model.named_parameters():
-        key = ckpt.key_for(name)
-        size = ckpt.files[key].nbytes(key)
-        if name.startswith("language_model.layers."):
-            index = int(name.split(".")[2])
+    for spec in ckpt.specs:
+        size = sum(ckpt.files[k].nbytes(k) for k in spec.keys)  # the loader keeps the stored dtype by default
+        if spec.name.startswith("language_model.layers."):
+            index = int(spec.name.split(".")[2])
             layers[index] = layers.get(index, 0) + size
         else:
             fixed += size
