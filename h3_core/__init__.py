@@ -11,9 +11,10 @@ The package is layered; each layer imports only those before it (tests/test_arch
 This module is the public facade: the names below stay importable from `h3_core` whatever moves inside.
 """
 
+from .checkpoints.audio_vae_loader import load_audio_vae
 from .checkpoints.dit_loader import load_dit, resolve_dit_checkpoint
 from .checkpoints.text_encoder_loader import load_text_encoder
-from .checkpoints.video_vae_loader import load_audio_vae, load_video_vae
+from .checkpoints.video_vae_loader import load_video_vae
 from .errors import CheckpointError, H3Error, PickleCheckpointError
 from .models.dit import H3DiT
 from .models.dit_config import H3DiTConfig

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 import torch
-import torch.nn as nn
 
 from ..errors import CheckpointError, PickleCheckpointError
 from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
@@ -228,12 +227,3 @@ def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
                 raise CheckpointError(f"{path}: key '{key}' also appears in {files[key].path}.", path=path, key=key)
             files[key] = shard
     return files
-
-
-def set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_name, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    if leaf in owner._buffers:
-        owner._buffers[leaf] = tensor
-    else:
-        owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)

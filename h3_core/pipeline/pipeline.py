@@ -14,9 +14,10 @@ from typing import Callable
 
 import torch
 
+from ..checkpoints.audio_vae_loader import load_audio_vae
 from ..checkpoints.dit_loader import load_dit
 from ..checkpoints.text_encoder_loader import load_text_encoder
-from ..checkpoints.video_vae_loader import load_audio_vae, load_video_vae
+from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..runtime.chunking import ChunkingPolicy

@@ -126,7 +126,8 @@ def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
-    from ..checkpoints.video_vae_loader import resolve_audio_vae_checkpoint, resolve_video_vae_checkpoint
+    from ..checkpoints.audio_vae_loader import resolve_audio_vae_checkpoint
+    from ..checkpoints.video_vae_loader import resolve_video_vae_checkpoint
 
     from ..models.audio_vae import AudioVAE
 
@@ -143,8 +144,7 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
         total = 0
         units: dict[str, int] = {}
         for spec in ckpt.specs:
-            numel = sum(ckpt.files[k].nbytes(k) // _dtype_bytes(ckpt.files[k].dtype(k)) for k in spec.keys)
-            size = numel * 4  # VAEs always run in float32
+            size = ckpt.numel(spec) * 4  # VAEs always run in float32
             total += size
             unit = unit_of(spec.name)
             if unit is not None:
