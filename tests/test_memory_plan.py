@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from h3_core.pipeline.planning import MemoryBudgetError, plan_for_budget
+from h3_core.pipeline.planning import plan_for_budget
+from h3_core.runtime.memory_plan import MemoryBudgetError
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
 from h3_core.pipeline import H3Pipeline, plan_components, resolve_model
 from h3_core.pipeline.tiny_default import ensure_tiny_model

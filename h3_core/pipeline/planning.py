@@ -1,5 +1,6 @@
 """Preflight for a memory budget: bytes per component and activations at the requested size, read from checkpoint
-headers before anything is allocated; picks residency and the DiT's chunk budget, or refuses with the numbers.
+headers before anything is allocated; `runtime.memory_plan` then picks residency and the DiT's chunk budget, or
+refuses with the numbers.
 
 Estimates, not allocator traces: weights are exact (header sizes), activations are counted from the tensors each
 phase keeps alive. Phases run one after the other (text encoder, then sampling, then decoding) and the text encoder is
@@ -8,66 +9,24 @@ released before sampling, so the peak is that of the largest phase.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from ..checkpoints.audio_vae_loader import resolve_audio_vae_checkpoint
+from ..checkpoints.dit_loader import resolve_dit_checkpoint, target_dtype
+from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
+from ..checkpoints.video_vae_loader import resolve_video_vae_checkpoint
 from ..components import COMPONENTS
 from ..errors import H3Error
+from ..models.audio_vae import AudioVAE
+from ..runtime.chunking import projection_elements_per_row
+from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, fit_budget
 from ..runtime.platform import Platform
 from .layout import AUDIO_CHANNELS, LatentShape
 
-GiB = 1 << 30
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
-# Smallest chunk the planner considers: below this per-chunk overhead dominates.
-MIN_CHUNK_ROWS = 64
-
-
-class MemoryBudgetError(H3Error):
-    """The request cannot fit the memory budget even with every component streamed."""
-
-
-def _fmt(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"
-
-
-@dataclass
-class ComponentEstimate:
-    name: str
-    total_bytes: int  # all weights
-    unit_bytes: int  # largest streamed unit (block / layer); 0 if the component has none
-    fixed_bytes: int  # weights that stay on the device when streamed
-    activation_bytes: int
-    streamable: bool
-    residency: str = "resident"
-
-    def device_bytes(self, prefetch: int = 0) -> int:
-        if self.residency == "layerwise":
-            return self.fixed_bytes + (prefetch + 1) * self.unit_bytes + self.activation_bytes
-        return self.total_bytes + self.activation_bytes
-
-
-@dataclass
-class MemoryPlan:
-    budget_bytes: int
-    components: list[ComponentEstimate]
-    component_options: dict = field(default_factory=dict)
-    dit_chunk_budget: int | None = None
-
-    @property
-    def peak_bytes(self) -> int:
-        return max(c.device_bytes() for c in self.components)
-
-    def describe(self) -> str:
-        lines = [f"memory preflight (budget {_fmt(self.budget_bytes)}):"]
-        for c in self.components:
-            lines.append(f"  {c.name:<13} weights {_fmt(c.total_bytes):>10}  activations {_fmt(c.activation_bytes):>10}"
-                         f"  -> {c.residency:<9} peak {_fmt(c.device_bytes())}")
-        if self.dit_chunk_budget is not None:
-            lines.append(f"  transformer chunks sized for {_fmt(self.dit_chunk_budget)} of temporaries")
-        lines.append(f"  estimated peak {_fmt(self.peak_bytes)}")
-        return "\n".join(lines)
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -75,8 +34,6 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate, object, int]:
-    from ..checkpoints.dit_loader import resolve_dit_checkpoint, target_dtype
-
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
     blocks: dict[int, int] = {}
@@ -98,8 +55,6 @@ def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate,
     element = _dtype_bytes(residual_dtype)
     # Full-length buffers every block keeps: residual in and out, K and V, the attention output, per-row modulation.
     full_length = rows * element * (3 * c.hidden_size + 2 * c.inner_dim + 6 * c.hidden_size // 3)
-    from ..runtime.chunking import projection_elements_per_row
-
     fused_temporaries = rows * element * projection_elements_per_row(c)
     estimate = ComponentEstimate("transformer", fixed + sum(blocks.values()), max(blocks.values(), default=0), fixed,
                                  full_length + fused_temporaries, streamable=True)
@@ -107,8 +62,6 @@ def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate,
 
 
 def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
-    from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
-
     ckpt = resolve_text_encoder_checkpoint(source, layer)
     layers: dict[int, int] = {}
     fixed = 0
@@ -126,11 +79,6 @@ def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
-    from ..checkpoints.audio_vae_loader import resolve_audio_vae_checkpoint
-    from ..checkpoints.video_vae_loader import resolve_video_vae_checkpoint
-
-    from ..models.audio_vae import AudioVAE
-
     out = []
     for name, ckpt in (("video_vae", resolve_video_vae_checkpoint(video_source)),
                        ("audio_vae", resolve_audio_vae_checkpoint(audio_source))):
@@ -178,48 +126,10 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     dit, config, rows = _dit_estimate(sources.transformer, shape, dtype)
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
-    must_stream = Platform.for_device(device).unified_memory  # see admission.py
-    for c in components:
-        if c.streamable and (must_stream or c.device_bytes() > budget_bytes):
-            c.residency = "layerwise"
-    # The DiT's per-chunk temporaries get whatever the weights and full-length buffers leave.
-    from ..runtime.chunking import projection_elements_per_row
-
+    # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
     element = 2 if (dtype or torch.bfloat16) in (torch.bfloat16, torch.float16) else 4
-    per_row = element * projection_elements_per_row(config)
-    fused_temporaries = rows * per_row
-    fixed_part = dit.device_bytes() - fused_temporaries
-    chunk_budget = None
-    if chunk_size is None and fixed_part + fused_temporaries > budget_bytes:
-        chunk_budget = budget_bytes - fixed_part
-        if chunk_budget < MIN_CHUNK_ROWS * per_row:
-            chunk_budget = None  # reported below as not fitting
-        else:
-            dit.activation_bytes -= fused_temporaries - min(fused_temporaries, chunk_budget)
-    elif chunk_size is not None:
-        dit.activation_bytes -= fused_temporaries - min(rows, chunk_size) * per_row
-    plan = MemoryPlan(budget_bytes, components, dit_chunk_budget=chunk_budget)
-    too_big = [c for c in components if c.device_bytes() > budget_bytes]
-    if too_big:
-        worst = max(too_big, key=lambda c: c.device_bytes())
-        raise MemoryBudgetError(
-            f"this request does not fit a {_fmt(budget_bytes)} budget: the {worst.name} phase needs about "
-            f"{_fmt(worst.device_bytes())} even with {'layerwise residency' if worst.streamable else 'the weights'} "
-            f"and the smallest chunks.\n{plan.describe()}\nUse a smaller size or fewer seconds, or raise the budget."
-        )
-    options: dict = {}
-    for c in components:
-        opts = {}
-        if c.residency == "layerwise":
-            opts["residency"] = "layerwise"
-        if c.name == "transformer":
-            if chunk_size is not None:
-                opts["chunk_size"] = chunk_size
-            elif chunk_budget is not None:
-                opts["memory_budget"] = int(chunk_budget)
-        options[c.name] = opts
-    plan.component_options = options
-    return plan
+    return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
+                      row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size)
 
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
@@ -231,8 +141,6 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
     admission rules require it for every component; resident elsewhere).
     """
     if memory_budget_gb is not None:
-        from .planning import plan_for_budget
-
         if not memory_budget_gb > 0:
             raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,

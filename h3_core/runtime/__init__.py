@@ -11,6 +11,7 @@ from .chunking import (CHUNK_ROW_MULTIPLE, FUSED, ChunkingError, ChunkingPolicy,
                        projection_elements_per_row)
 from .host_store import HostTensor
 from .layerwise import LayerwiseOffloadManager, layerwise_manager, resolve_resident_blocks
+from .memory_plan import ComponentEstimate, MemoryBudgetError, MemoryPlan, fit_budget
 from .offload_backends import AsyncBackend, OffloadBackend, SynchronousBackend, offload_backend
 from .phase_scoped import PhaseScopedWeights
 from .platform import ChunkingBackend, Platform, PlatformError, peak_rss_bytes
