@@ -8,8 +8,8 @@ import pytest
 
 from h3_core import H3Tokenizer
 from h3_core.errors import CheckpointError, H3Error
-from h3_core.models.tokenizer import picture_label
-from text_encoder_fixtures import H3_FIRST_ID, H3_TOKENS, QWEN_FIRST_SPECIAL_ID, write_tiny_tokenizer
+from h3_core.models.tokenizer import H3_EXTRA_FIRST_ID as H3_FIRST_ID, H3_EXTRA_TOKENS as H3_TOKENS, picture_label
+from text_encoder_fixtures import QWEN_FIRST_SPECIAL_ID, write_tiny_tokenizer
 
 PROMPTS = [
     "A red fox runs across a snowy field at dawn.",

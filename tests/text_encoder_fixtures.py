@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3_core.pipeline.tiny_default import (H3_FIRST_ID, H3_TOKENS, QWEN_FIRST_SPECIAL_ID, QWEN_SPECIAL_TOKENS,  # noqa: F401
-                                  write_tiny_tokenizer)
+from h3_core.pipeline.tiny_default import QWEN_FIRST_SPECIAL_ID, QWEN_SPECIAL_TOKENS, write_tiny_tokenizer  # noqa: F401
 
 IMAGE_PAD_ID = 151655
 

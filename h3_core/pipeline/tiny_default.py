@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from ..models.dit_config import H3DiTConfig
+from ..models.tokenizer import H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS
 
 TINY_VERSION = "tiny-v1"
 TEXT_ENCODER_LAYER = 2
@@ -31,9 +32,6 @@ QWEN_SPECIAL_TOKENS = (
     "<think>", "</think>",
 )
 QWEN_FIRST_SPECIAL_ID = 151643
-H3_TOKENS = ("<d>", "</d>", "<|cutoff|>", "<|lyrics_start|>", "<|lyrics_end|>", "<|caption_start|>",
-             "<|caption_end|>")
-H3_FIRST_ID = 151669
 QWEN_VOCAB_SIZE = 151936
 QWEN_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                       r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -71,7 +69,7 @@ def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
     data = json.loads(tokenizer.to_str())
     specials = {t: QWEN_FIRST_SPECIAL_ID + i for i, t in enumerate(QWEN_SPECIAL_TOKENS)}
     if with_h3_tokens:
-        specials.update({t: H3_FIRST_ID + i for i, t in enumerate(H3_TOKENS)})
+        specials.update({t: H3_EXTRA_FIRST_ID + i for i, t in enumerate(H3_EXTRA_TOKENS)})
     # The BPE vocabulary stops near 600; listing the specials in it too pins them to their real ids.
     data["model"]["vocab"].update(specials)
     data["added_tokens"] = [
