@@ -23,10 +23,10 @@ from ..models.audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN,
                                 PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD, WEIGHT_NORM_MODULES, AudioVAE,
                                 AudioVAEConfig, fold_weight_norm)
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, count_indexed, open_folder_files, read_json, resolve_source,
-                         shape_reader)
-from .vae_common import (AUDIO_DETECT_KEY, check_vae, config_error, int_list, latent_stats, not_a_vae, open_single_file,
-                         open_vae, populate, positive_number, require_value, stats_from_file, weights_folder)
+from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files,
+                         read_json, resolve_source, shape_reader)
+from .vae_common import (check_vae, config_error, int_list, latent_stats, open_single_file, open_vae, populate,
+                         positive_number, require_value, stats_from_file, weights_folder)
 
 AUDIO_DIFFUSERS_CLASS = "AutoencoderKLMiniMaxH3Audio"
 WEIGHT_NORM_SPELLINGS = (("weight_g", "weight_v"), ("parametrizations.weight.original0",
@@ -181,7 +181,7 @@ def _resolve_audio_folder(folder: Path) -> Checkpoint:
     else:
         files = open_folder_files(folder, "model")
         if AUDIO_DETECT_KEY not in files:
-            raise not_a_vae("audio", folder, files.keys())
+            raise not_a_checkpoint(folder, files.keys(), "audio_vae", "an H3 audio VAE checkpoint")
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: no config.json with the latent statistics (latents_mean / latents_std) "
                                   "beside model.safetensors; restore it from the release.", path=folder)
@@ -207,7 +207,7 @@ def _resolve_audio_folder(folder: Path) -> Checkpoint:
 def _resolve_audio_single_file(path: Path) -> Checkpoint:
     file, prefix = open_single_file(path)
     if prefix + AUDIO_DETECT_KEY not in file:
-        raise not_a_vae("audio", path, file.keys())
+        raise not_a_checkpoint(path, file.keys(), "audio_vae", "an H3 audio VAE checkpoint")
     files = {k: file for k in file.keys()}
     shape, need = shape_reader(path, files, "H3 VAE", prefix)
     stats, stat_keys = stats_from_file(file, prefix, need("mean_proj.weight")[0],

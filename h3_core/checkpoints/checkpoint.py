@@ -109,6 +109,44 @@ def count_indexed(shape: Callable[[str], tuple[int, ...] | None], pattern: str) 
     return n
 
 
+# Only the audio VAE has this tensor (its encoder's attention); also how its loader recognises one.
+AUDIO_DETECT_KEY = "pre_block.attn.zero_k_bias"
+
+
+def _any_key(keys, *, starts=(), ends=()) -> bool:
+    return any(k.startswith(starts) or k.endswith(ends) for k in keys)
+
+
+# What other components' keys look like, in the order they are told apart: the components an entry names (a loader of
+# one of them skips it) and what to do with such a file instead.
+_LOOKS_LIKE = (
+    ((), lambda keys: _any_key(keys, starts=("decoder.proj_in.", "encoder.down_blocks.")),
+     "It is a diffusers-layout video VAE file; pass the folder holding it and its config.json to load_video_vae."),
+    (("transformer",), lambda keys: _any_key(keys, starts=("blocks.", "transformer_blocks.", "model.diffusion_model."))
+     and not _any_key(keys, starts=("decoder.", "encoder.")),
+     "It looks like an H3 transformer (DiT) checkpoint; pass it to load_dit instead."),
+    (("audio_vae",), lambda keys: _any_key(keys, ends=(AUDIO_DETECT_KEY,)),
+     "It looks like an audio VAE checkpoint; pass it to load_audio_vae instead."),
+    (("video_vae",), lambda keys: any(k.endswith("scale1") and "transformer_blocks" in k for k in keys),
+     "It looks like a video VAE checkpoint; pass it to load_video_vae instead."),
+    (("video_vae", "audio_vae"), lambda keys: _any_key(keys, starts=("decoder.", "encoder.", "quant_conv",
+                                                                     "post_quant")),
+     "It looks like a VAE checkpoint; pass it to load_video_vae / load_audio_vae instead."),
+    (("text_encoder",), lambda keys: _any_key(keys, starts=("model.layers.", "model.language_model.", "visual.",
+                                                            "language_model.")),
+     "It looks like a text encoder checkpoint; pass it to load_text_encoder instead."),
+)
+
+
+def not_a_checkpoint(path: Path, keys, component: str, what: str) -> CheckpointError:
+    """`path` holds no checkpoint of `component`: the error says `what` was expected, names a few of its keys and,
+    when they give another component away, the loader for that one."""
+    keys = list(keys)
+    hint = next((f" {advice}" for names, found, advice in _LOOKS_LIKE if component not in names and found(keys)), "")
+    return CheckpointError(f"{path}: not {what} (found {', '.join(sorted(keys)[:3]) or 'no tensors'}"
+                           f"{' ...' if len(keys) > 3 else ''}).{hint}", path=path)
+
+
 def deinterleave_rows(heads: int, head_dim: int):
     """Fused QKV stored per head `[head0: q k v, head1: q k v, ...]` (weight rows or bias entries) -> the logical
     `[q_all; k_all; v_all]` the models hold."""

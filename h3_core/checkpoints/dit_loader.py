@@ -27,7 +27,8 @@ from ..runtime.chunking import ChunkingPolicy
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
 from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
-                         open_folder_files, read_json, resolve_source, shape_reader, swap_halves)
+                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader,
+                         swap_halves)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -114,18 +115,8 @@ def _plan(layout: str, config: H3DiTConfig, prefix: str = "") -> list[WeightSpec
 
 
 def _not_a_transformer(path: Path, keys) -> CheckpointError:
-    sample = sorted(keys)[:3]
-    hint = ""
-    joined = " ".join(sample)
-    if any(k.startswith(("decoder.", "encoder.", "quant_conv", "post_quant")) for k in keys):
-        hint = " It looks like a VAE checkpoint; pass it to load_video_vae / load_audio_vae instead."
-    elif any(k.startswith(("model.layers.", "model.language_model.", "visual.", "language_model.")) for k in keys):
-        hint = " It looks like a text encoder checkpoint; pass it to load_text_encoder instead."
-    return CheckpointError(
-        f"{path}: not an H3 transformer checkpoint: no 'blocks.N...' / 'transformer_blocks.N...' keys (found "
-        f"{joined or 'no tensors'}{' ...' if len(keys) > 3 else ''}).{hint}",
-        path=path,
-    )
+    return not_a_checkpoint(path, keys, "transformer", "an H3 transformer checkpoint: no 'blocks.N...' / "
+                                                      "'transformer_blocks.N...' keys")
 
 
 def _config_from_shapes(path: Path, shape, need) -> H3DiTConfig:

@@ -30,8 +30,8 @@ from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
 from ..runtime.chunking import check_chunk_size
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, count_indexed, open_folder_files, read_json, resolve_source,
-                         shape_reader)
+from .checkpoint import (Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files, read_json,
+                         resolve_source, shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -78,20 +78,6 @@ def _find_prefixes(keys: set[str]) -> tuple[str | None, str | None]:
                                if any(k.startswith(outer + v) for k in keys)), None)
                 return outer + prefix, vision
     return None, None
-
-
-def _not_a_text_encoder(path: Path, keys) -> CheckpointError:
-    sample = sorted(keys)[:3]
-    hint = ""
-    if any(k.startswith(("blocks.", "transformer_blocks.", "model.diffusion_model.")) for k in keys):
-        hint = " It looks like an H3 transformer (DiT) checkpoint; pass it to load_dit instead."
-    elif any(k.startswith(("decoder.", "encoder.", "quant_conv", "post_quant")) for k in keys):
-        hint = " It looks like a VAE checkpoint; pass it to load_video_vae / load_audio_vae instead."
-    return CheckpointError(
-        f"{path}: not a Qwen3-VL text encoder checkpoint: no '...embed_tokens.weight' key (found "
-        f"{' '.join(sample) or 'no tensors'}{' ...' if len(keys) > 3 else ''}).{hint}",
-        path=path,
-    )
 
 
 def _config_from_shapes(path: Path, files, language_prefix: str, vision_prefix: str | None,
@@ -163,7 +149,8 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
     keys = set(files)
     language_prefix, vision_prefix = _find_prefixes(keys)
     if language_prefix is None:
-        raise _not_a_text_encoder(path, keys)
+        raise not_a_checkpoint(path, keys, "text_encoder",
+                               "a Qwen3-VL text encoder checkpoint: no '...embed_tokens.weight' key")
     quantised = sorted(k for k in keys if k.endswith(QUANTISATION_SUFFIXES))
     if quantised:
         raise CheckpointError(

@@ -1,5 +1,5 @@
-"""What the video and audio VAE loaders share: config number readers, single-file prefix detection, the
-"not an H3 VAE" error, the strict check, and placing float32 tensors (resident or streamed).
+"""What the video and audio VAE loaders share: config number readers, single-file prefix detection, the strict
+check, the loaders' opening, and placing float32 tensors (resident or streamed).
 
 VAE weights are always float32 (fp16 files are upcast exactly).
 """
@@ -22,7 +22,6 @@ from .safetensors_io import SafetensorsFile
 
 # Prefixes a single-file VAE may carry when cut out of a combined checkpoint.
 COMFY_PREFIXES = ("vae.", "first_stage_model.")
-AUDIO_DETECT_KEY = "pre_block.attn.zero_k_bias"
 
 
 def state_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
@@ -88,30 +87,6 @@ def open_single_file(path: Path) -> tuple[SafetensorsFile, str]:
         if any(k.startswith(prefix) for k in file.keys()):
             return file, prefix
     return file, ""
-
-
-def _what_is_it(keys) -> str:
-    keys = list(keys)
-    if any(k.startswith(("decoder.proj_in.", "encoder.down_blocks.")) for k in keys):
-        return " It is a diffusers-layout video VAE file; pass the folder holding it and its config.json."
-    if any(k.startswith(("blocks.", "model.diffusion_model.", "transformer_blocks.")) for k in keys) and not any(
-            k.startswith(("decoder.", "encoder.")) for k in keys):
-        return " It looks like a transformer checkpoint; pass it to load_dit instead."
-    if any(k.endswith(AUDIO_DETECT_KEY) for k in keys):
-        return " It looks like an audio VAE checkpoint; pass it to load_audio_vae instead."
-    if any(k.endswith("scale1") and "transformer_blocks" in k for k in keys):
-        return " It looks like a video VAE checkpoint; pass it to load_video_vae instead."
-    if any(k.startswith(("model.layers.", "visual.", "language_model.")) for k in keys):
-        return " It looks like a text encoder checkpoint."
-    return ""
-
-
-def not_a_vae(kind: str, path: Path, keys) -> CheckpointError:
-    """`path` holds no H3 `kind` ("video" / "audio") VAE; the message says what it looks like instead."""
-    sample = sorted(keys)[:3]
-    return CheckpointError(
-        f"{path}: not an H3 {kind} VAE checkpoint (found {', '.join(sample) or 'no tensors'}"
-        f"{' ...' if len(keys) > 3 else ''}).{_what_is_it(keys)}", path=path)
 
 
 def weights_folder(path: Path) -> Path | None:

@@ -25,11 +25,10 @@ from ..models.video_vae import (PUBLISHED_LATENTS_MEAN as VIDEO_PUBLISHED_MEAN,
                                 VideoVAEConfig)
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, open_folder_files,
-                         read_json, resolve_source, shape_reader, swap_halves)
-from .vae_common import (check_vae, config_error, count_value, int_list, latent_stats, not_a_vae, open_single_file,
-                         open_vae, populate, positive_number, require_value, state_shapes, stats_from_file,
-                         weights_folder)
+from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, not_a_checkpoint,
+                         open_folder_files, read_json, resolve_source, shape_reader, swap_halves)
+from .vae_common import (check_vae, config_error, count_value, int_list, latent_stats, open_single_file, open_vae,
+                         populate, positive_number, require_value, state_shapes, stats_from_file, weights_folder)
 
 VIDEO_DIFFUSERS_CLASS = "AutoencoderKLMiniMaxH3"
 VIDEO_DETECT_KEYS = ("decoder.transformer_blocks.0.scale1", "encoder.down.0.block.0.conv1.weight")
@@ -240,7 +239,7 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
     source_raw = read_json(source_folder / "config.json")
     files = open_folder_files(source_folder, "model")
     if not all(k in files for k in VIDEO_DETECT_KEYS):
-        raise not_a_vae("video", source_folder, files.keys())
+        raise not_a_checkpoint(source_folder, files.keys(), "video_vae", "an H3 video VAE checkpoint")
     shape, _ = shape_reader(source_folder, files, "H3 VAE")
     config = _video_config_from_native(raw, folder / "config.json", source_raw, source_folder / "config.json", shape)
     defaults = {}
@@ -255,7 +254,7 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
 def _resolve_video_single_file(path: Path) -> Checkpoint:
     file, prefix = open_single_file(path)
     if not all(prefix + k in file for k in VIDEO_DETECT_KEYS):
-        raise not_a_vae("video", path, file.keys())
+        raise not_a_checkpoint(path, file.keys(), "video_vae", "an H3 video VAE checkpoint")
     files = {k: file for k in file.keys()}
     shape, need = shape_reader(path, files, "H3 VAE", prefix)
     stats, stat_keys = stats_from_file(file, prefix, need("post_quant_conv.weight")[0],
