@@ -31,8 +31,8 @@ class WeightSpec:
 
 @dataclass
 class Checkpoint:
-    """A resolved checkpoint of one component: its layout and config, where every stored key lives and how each
-    model tensor is made from them; nothing is read until a tensor is asked for."""
+    """A resolved checkpoint of one component: its layout and config, where every stored key lives (memory maps)
+    and how each model tensor is made from them."""
 
     component: str  # one of `h3_core.components.COMPONENTS`
     source: Path
