@@ -5,7 +5,7 @@ of width 128) is loaded, the output buffer is preallocated, then one decode is m
 
 * `tracked`: peak bytes of tensors the decode itself allocates on the device (a dispatch-mode ledger; the weights and
   the preallocated output are not counted). Works on any device.
-* `cuda`: `torch.cuda.max_memory_allocated()` growth over the decode (CUDA only).
+* `device`: the device allocator's peak growth over the decode, read through `h3_core.Platform` (CUDA; none on the CPU).
 * `rss`: growth of the process's peak resident set (VmHWM, reset through /proc/self/clear_refs) over the decode
   (CPU on Linux only; includes allocator slack).
 
