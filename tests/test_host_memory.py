@@ -52,6 +52,7 @@ def rss_anon_in_use():
     return rss_anon()
 
 folder, residency = sys.argv[1], sys.argv[2]
+loras = [(sys.argv[3], 1.0)] if len(sys.argv) > 3 else []
 torch.set_num_threads(1)
 config = H3DiTConfig.from_dict(json.load(open(folder + "/config.json")))
 inputs = packed_inputs(config, text_len=9, latent_frames=3, latent_hw=(4, 6), audio_latents=7)
@@ -59,7 +60,7 @@ with torch.no_grad():  # warm the kernels and allocator arenas the forward will 
     a, b = torch.randn(64, 512), torch.randn(512, 512)
     (a @ b).sum(); torch.nn.functional.scaled_dot_product_attention(*[torch.randn(1, 4, 64, 128)] * 3)
 before = rss_anon_in_use()
-model = h3_core.load_dit(folder, residency=residency)
+model = h3_core.load_dit(folder, residency=residency, loras=loras)
 loaded = rss_anon()
 with torch.no_grad():
     video, audio = model(**inputs)
@@ -85,12 +86,12 @@ def checkpoints(tmp_path_factory):
     return {8: big.parent / "blocks8", 16: big}
 
 
-def measure(*runs: tuple[Path, str]) -> list[dict]:
-    """Each (folder, residency) measured in its own fresh process; the processes run side by side."""
-    procs = [subprocess.Popen([sys.executable, "-c", MEASURE, str(folder), residency], cwd=ROOT, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for folder, residency in runs]
+def measure(*runs: tuple) -> list[dict]:
+    """Each (folder, residency[, lora file]) measured in its own fresh process; the processes run side by side."""
+    procs = [subprocess.Popen([sys.executable, "-c", MEASURE, *map(str, run)], cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for run in runs]
     results = []
-    for (folder, _), proc in zip(runs, procs):
+    for (folder, *_), proc in zip(runs, procs):
         stdout, stderr = proc.communicate(timeout=300)
         assert proc.returncode == 0, stderr[-3000:]
         result = json.loads(stdout.strip().splitlines()[-1])
@@ -127,3 +128,39 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     print(f"control, resident 8 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
           f"+{resident['in_use'] / 1e6:.1f} MB in use (QKV copies {qkv_bytes / 1e6:.0f} MB)")
     assert resident["in_use"] > 0.9 * qkv_bytes > runs[8]["in_use"]
+
+
+def write_block_lora(path: Path, config: H3DiTConfig, rank: int = 16) -> Path:
+    """A rank-16 LoRA on every block's attention and MLP projections (original names)."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(9)
+    shapes = {"attn.qkv_proj": (3 * config.inner_dim, config.hidden_size), "attn.out_proj": (config.hidden_size,
+              config.inner_dim), "mlp.fc1": (2 * config.ffn_dim, config.hidden_size),
+              "mlp.fc2": (config.hidden_size, config.ffn_dim)}
+    state = {}
+    for i in range(config.num_layers):
+        for module, (rows, cols) in shapes.items():
+            state[f"blocks.{i}.{module}.lora_A.weight"] = torch.randn(rank, cols, generator=g) * 0.01
+            state[f"blocks.{i}.{module}.lora_B.weight"] = torch.randn(rows, rank, generator=g) * 0.01
+    save_file(state, str(path))
+    return path
+
+
+def test_a_lora_on_every_block_keeps_layerwise_memory_flat(checkpoints, tmp_path):
+    """The LoRA's factors stay memory-mapped and each block is folded when materialised: no host copy of the
+    weights, and no growth with the number of blocks."""
+    block_bytes = sum(v.numel() * 4 for k, v in random_state(
+        H3DiTConfig(**{**BIG.__dict__, "num_layers": 1, "num_refiner_layers": 0})).items() if k.startswith("blocks."))
+    loras = {n: write_block_lora(tmp_path / f"lora{n}.safetensors", H3DiTConfig(**{**BIG.__dict__, "num_layers": n}))
+             for n in (8, 16)}
+    runs = dict(zip((8, 16), measure((checkpoints[8], "layerwise", loras[8]), (checkpoints[16], "layerwise",
+                                                                                loras[16]))))
+    for n, run in runs.items():
+        print(f"{n} blocks + LoRA ({loras[n].stat().st_size / 1e6:.0f} MB): RssAnon +{run['in_use'] / 1e6:.1f} MB in "
+              f"use after one forward ({100 * run['in_use'] / run['file']:.1f} % of the file)")
+        assert run["loaded"] - run["before"] < 0.01 * run["file"]
+        assert run["in_use"] < 0.15 * run["file"]
+        assert run["second_in_use"] - run["after_in_use"] < 0.1 * block_bytes
+    assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes

@@ -29,6 +29,7 @@ from ..runtime.residency import Residency
 from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
                          not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader,
                          swap_halves)
+from .lora_loader import set_loras
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -228,7 +229,7 @@ def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> t
     return stored if dtype is None else dtype
 
 
-_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget")
+_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget", "loras")
 # With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
 PHASE_SCOPED = {"text": ("condition_proj.", "token_refiner.")}
 
@@ -252,6 +253,9 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     QKV de-interleave at load; pinned slabs on CUDA) and materialises at most `prefetch + 1` of them on the device
     during a forward (`prefetch` default 0, 1 on CUDA); `resident_blocks` (the first N, or indices) stay on the
     device; the text refiner and condition projection are materialised only for the text phase of each forward.
+
+    `loras=[(file, strength), ...]` applies LoRAs (every published H3 format, see `lora_loader`): folded into each
+    block when it is materialised, into resident weights once; `h3_core.set_loras(model, ...)` changes them later.
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -265,26 +269,31 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         model = H3DiT(ckpt.config)
     recipes: dict[str, HostTensor] = {}
     for spec in ckpt.specs:
+        # The memory-mapped sources and how the parameter is made from them (the combine: QKV de-interleave, ...):
+        # the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
+        sources = ckpt.tensors(spec)
+        target = target_dtype(spec.name, sources[0].dtype, dtype)
+        recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
         if layerwise and _offloaded(spec.name):
-            # Keep the memory-mapped sources; the combine (QKV de-interleave, ...) runs when the block is materialised.
-            sources = ckpt.tensors(spec)
-            target = target_dtype(spec.name, sources[0].dtype, dtype)
-            recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
             set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
             continue
         weight = ckpt.weight(spec)
-        set_tensor(model, spec.name, weight.to(device=device, dtype=target_dtype(spec.name, weight.dtype, dtype)))
+        set_tensor(model, spec.name, weight.to(device=device, dtype=target))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
     if layerwise:
         blocks = [(f"blocks.{i}.",) for i in range(len(model.blocks))]
-        model.block_residency, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks,
-                                                                      phases=PHASE_SCOPED, device=device)
+        model.block_residency, model.weight_phases = attach_layerwise(
+            model, {n: r for n, r in recipes.items() if _offloaded(n)}, manager, blocks=blocks, phases=PHASE_SCOPED,
+            device=device)
+    model.weight_recipes = {name: r for name, r in recipes.items() if name in dict(model.named_parameters())}
     model.eval()
     model.chunking = chunking
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
+    if options.get("loras"):
+        set_loras(model, options["loras"])
     return model
 
 

@@ -358,12 +358,26 @@ class H3DiT(nn.Module):
         self.weight_phases = PhaseScopedWeights()
         # The default chunking of every forward; a call may pass its own (`forward(..., chunking=)`).
         self.chunking = ChunkingPolicy()
+        # LoRAs applied now ((file, strength), ...) and the fold streamed weights get when materialised; set by
+        # `h3_core.set_loras`. `weight_recipes` (name -> HostTensor, set by the loader) re-make a resident weight.
+        self.loras: tuple = ()
+        self.lora_fold = None
+        self.weight_recipes: dict = {}
 
     def close(self) -> None:
         """Give streamed weights back to their host store (restoring the original parameters); the model is then
         fully resident on the host store's device."""
         self.block_residency.close()
         self.weight_phases.close()
+
+    def streamed_parameter_names(self) -> frozenset[str]:
+        """Parameters a residency materialises (streamed blocks, kept blocks, phase-scoped weights)."""
+        return self.block_residency.managed_parameters() | self.weight_phases.managed_parameters()
+
+    def set_weight_transform(self, transform) -> None:
+        """`transform(tensors)` edits streamed weights in place each time they are materialised (a LoRA fold)."""
+        self.block_residency.set_transform(transform)
+        self.weight_phases.set_transform(transform)
 
     def configure_chunking(self, chunk_size: int | None = None, memory_budget: int | None = None,
                            between_chunks=None) -> None:

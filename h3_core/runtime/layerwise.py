@@ -81,6 +81,7 @@ class LayerwiseOffloadManager(BlockResidency):
         self._last_pass: PassStats | None = None
         self._current = PassStats()
         self._total_h2d = 0
+        self._transform = None
 
     # ---- setup / teardown ----------------------------------------------------------------------------------
 
@@ -172,8 +173,26 @@ class LayerwiseOffloadManager(BlockResidency):
         return self._placeholders[dtype]
 
     def _bind(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        if self._transform is not None:
+            self._transform(tensors)  # fresh device tensors (a copy or a slot), never the host store
         for name, p in self._params[index].items():
             p.data = tensors[name]
+
+    def managed_parameters(self) -> frozenset[str]:
+        """Names of the parameters this manager binds (as its units name them)."""
+        self._require_attached()
+        return frozenset(name for unit in self._params for name in unit)
+
+    def set_transform(self, transform) -> None:
+        """`transform(tensors)` edits a unit's freshly materialised device tensors (parameter name -> tensor) in place
+        before they are bound, e.g. to fold a LoRA in; None removes it. Blocks kept on the device are materialised
+        again, so they get the change too; streamed blocks get it at their next load."""
+        self._require_attached()
+        self._transform = transform
+        for i in sorted(self.resident):
+            tensors, nbytes = self.backend.materialise_persistent(i)
+            self._bind(i, tensors)
+            self._total_h2d += nbytes
 
     def _bind_placeholders(self, index: int) -> None:
         for p in self._params[index].values():

@@ -45,6 +45,14 @@ class PhaseScopedWeights:
         finally:
             self._manager.release(index)
 
+    def set_transform(self, transform) -> None:
+        """See `LayerwiseOffloadManager.set_transform`; nothing to do without phase-scoped weights."""
+        if self._manager is not None:
+            self._manager.set_transform(transform)
+
+    def managed_parameters(self) -> frozenset[str]:
+        return frozenset() if self._manager is None else self._manager.managed_parameters()
+
     def materialised(self) -> tuple[str, ...]:
         if self._manager is None:
             return ()

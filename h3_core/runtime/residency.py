@@ -77,6 +77,14 @@ class BlockResidency:
     def resident_set(self) -> frozenset[int]:
         raise NotImplementedError
 
+    def set_transform(self, transform) -> None:
+        """Edit weights when they are materialised (see `LayerwiseOffloadManager.set_transform`); resident weights are
+        never materialised, so there is nothing to do: their owner changes them itself."""
+
+    def managed_parameters(self) -> frozenset[str]:
+        """Names of the parameters this residency materialises (none when every weight stays resident)."""
+        return frozenset()
+
     def stats(self) -> ResidencyStats:
         raise NotImplementedError
 

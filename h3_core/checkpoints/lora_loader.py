@@ -1,0 +1,397 @@
+"""LoRAs for the H3 transformer: every published file format read into one form, folded into the weights when they
+are materialised on the device.
+
+Formats, told apart by their keys (diffusers 0.42.1 reads the same set):
+
+* **original module names** (`blocks.N.attn.qkv_proj.lora_A.weight`, ...), as the reference code, ComfyUI and
+  ai-toolkit (`diffusion_model.` prefix) write them; fused QKV in logical `[q; k; v]` row order, `fc1` as `[gate; up]`;
+* **kohya / musubi-tuner**: `lora_down` / `lora_up` with a per-module `alpha`, and musubi's flattened
+  `lora_unet_blocks_0_attn_qkv_proj` names;
+* **DiffSynth-Studio**: original names with peft's `.default.` infix, trained against the *per-head interleaved*
+  fused QKV of the raw checkpoint (de-interleaved here with the loaded model's head count);
+* **diffusers / peft** names on `MiniMaxH3Transformer3DModel` (`transformer.transformer_blocks.N.attn.to_q.lora_A`,
+  or a bare peft dump with `.default.`): separate q / k / v map onto row slices of our fused QKV, and `ff.net.0.proj`
+  rows `[up; gate]` onto our `[gate; up]`;
+* **full-weight deltas**: `<module>.diff` (weight) and `<module>.diff_b` (bias), original names.
+
+Scale of a low-rank pair: its `alpha / rank` when the file has per-module alphas; the file's `__metadata__` `alpha` over
+the rank when it has none; 1.0 otherwise (`alpha == rank`, the convention of the published alpha-less LoRAs).
+
+A fold adds `strength * scale * up @ down` (computed in float32 on the device, then cast) to a freshly materialised
+tensor, so the host store and the memory maps are never written and layerwise residency holds no second copy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from ..errors import CheckpointError
+from ..models.dit import H3DiT
+from ..models.dit_config import H3DiTConfig
+from .safetensors_io import SafetensorsFile, refuse_pickle
+
+
+class LoraError(CheckpointError):
+    """A LoRA file that cannot be applied to the loaded transformer; the message names the file, key and fix."""
+
+
+# ---- one update of one model parameter ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Update:
+    """`scale * up @ down` (or the full `delta` when `down` is None) added to rows `rows` of a parameter.
+
+    `row_order` permutes the rows of `up` / `delta` into the model's order (DiffSynth's interleaved QKV, diffusers'
+    `[up; gate]`); None keeps them. Tensors are the file's memory-mapped views, read when a fold runs.
+    """
+
+    up: torch.Tensor
+    down: torch.Tensor | None
+    scale: float = 1.0
+    rows: tuple[int, int] | None = None
+    row_order: torch.Tensor | None = None
+
+    def delta(self, device: torch.device) -> torch.Tensor:
+        up = self.up.to(device=device, dtype=torch.float32)
+        if self.row_order is not None:
+            up = up.index_select(0, self.row_order.to(device))
+        if self.down is None:
+            return up * self.scale
+        return (up @ self.down.to(device=device, dtype=torch.float32)) * self.scale
+
+
+@dataclass
+class LoraFile:
+    """A read and checked LoRA: what it changes (`updates`: model parameter name -> updates) and what it says."""
+
+    path: Path
+    format: str
+    metadata: dict
+    updates: dict[str, list[Update]]
+    nbytes: int
+    recommended: dict = field(default_factory=dict)  # "steps", "video_shift", "audio_shift" the file's metadata gives
+
+
+# ---- key vocabulary -------------------------------------------------------------------------------------------------
+
+
+# diffusers module name (after `transformer.`) -> our module name; blocks and refiner blocks are handled below.
+_DIFFUSERS_GLOBALS = {
+    "proj_in": "video_patch_proj",
+    "audio_proj_in": "audio_patch_proj",
+    "context_embedder": "condition_proj",
+    "time_embedder.linear_1": "time_embedder.proj_in",
+    "time_embedder.linear_2": "time_embedder.proj_out",
+    "norm_out.linear": "final_layer.adaln_proj.linear",
+    "proj_out": "final_layer.video_out",
+    "audio_proj_out": "final_layer.audio_out",
+}
+_DIFFUSERS_BLOCK = {
+    "attn.to_q": ("attn.qkv_proj", 0),
+    "attn.to_k": ("attn.qkv_proj", 1),
+    "attn.to_v": ("attn.qkv_proj", 2),
+    "attn.to_out.0": ("attn.out_proj", None),
+    "ff.net.0.proj": ("mlp.fc1", "swap"),
+    "ff.net.2": ("mlp.fc2", None),
+    "adaln_proj.linear": ("adaln_proj.linear", None),
+}
+# musubi-tuner's flattened names -> ours (H3's own names contain underscores, so match whole names).
+_FLAT = [
+    (r"blocks_(\d+)_attn_(qkv|out)_proj", r"blocks.\1.attn.\2_proj"),
+    (r"blocks_(\d+)_mlp_fc([12])", r"blocks.\1.mlp.fc\2"),
+    (r"blocks_(\d+)_adaln_proj_linear", r"blocks.\1.adaln_proj.linear"),
+    (r"token_refiner_blocks_(\d+)_attn_(qkv|out)_proj", r"token_refiner.blocks.\1.attn.\2_proj"),
+    (r"token_refiner_blocks_(\d+)_mlp_fc([12])", r"token_refiner.blocks.\1.mlp.fc\2"),
+    (r"(video|audio)_patch_proj", r"\1_patch_proj"),
+    (r"condition_proj", "condition_proj"),
+    (r"time_embedder_proj_(in|out)", r"time_embedder.proj_\1"),
+    (r"final_layer_adaln_proj_linear", "final_layer.adaln_proj.linear"),
+    (r"final_layer_(video|audio)_out", r"final_layer.\1_out"),
+]
+_PAIR_SUFFIXES = {".lora_A.weight": "down", ".lora_B.weight": "up", ".lora_down.weight": "down",
+                  ".lora_up.weight": "up", ".alpha": "alpha", ".diff": "diff", ".diff_b": "diff_b"}
+METADATA_STEPS = ("steps", "num_inference_steps", "recommended_steps", "h3_stream.steps")
+METADATA_VIDEO_SHIFT = ("video_shift", "shift", "flow_shift", "h3_stream.video_shift")
+METADATA_AUDIO_SHIFT = ("audio_shift", "h3_stream.audio_shift")
+
+
+def _split(key: str) -> tuple[str, str]:
+    for suffix, part in _PAIR_SUFFIXES.items():
+        if key.endswith(suffix):
+            return key[: -len(suffix)], part
+    return key, ""
+
+
+def _diffusers_module(module: str) -> tuple[str, int | str | None] | None:
+    """A diffusers module name -> (our module, QKV part index / "swap" / None), or None if it is not one."""
+    if module in _DIFFUSERS_GLOBALS:
+        return _DIFFUSERS_GLOBALS[module], None
+    match = re.fullmatch(r"(transformer_blocks|token_refiner\.refiner_blocks)\.(\d+)\.(.+)", module)
+    if match and match.group(3) in _DIFFUSERS_BLOCK:
+        stack = "blocks" if match.group(1) == "transformer_blocks" else "token_refiner.blocks"
+        ours, part = _DIFFUSERS_BLOCK[match.group(3)]
+        return f"{stack}.{match.group(2)}.{ours}", part
+    return None
+
+
+def _detect(keys: Sequence[str]) -> str:
+    if any(k.startswith("lora_unet_") for k in keys):
+        return "kohya (musubi-tuner, flattened names)"
+    if any(".default." in k for k in keys):
+        stripped = [k.replace(".default.", ".") for k in keys]
+        if any(_diffusers_module(_split(k.removeprefix("transformer."))[0]) for k in stripped):
+            return "peft (diffusers names)"
+        return "DiffSynth-Studio"
+    if any(k.startswith(("transformer.", "transformer_blocks.")) for k in keys):
+        return "diffusers"
+    if any(k.endswith((".lora_down.weight", ".lora_up.weight")) for k in keys):
+        return "kohya"
+    if any(k.endswith((".diff", ".diff_b")) for k in keys) and not any(".lora_" in k for k in keys):
+        return "full-weight diff"
+    return "original module names"
+
+
+# ---- reading a file -------------------------------------------------------------------------------------------------
+
+
+def _number(metadata: dict, names: Iterable[str], kind, path: Path):
+    for name in names:
+        if name in metadata:
+            try:
+                value = kind(metadata[name])
+            except (TypeError, ValueError):
+                raise LoraError(f"{path}: metadata '{name}' is {metadata[name]!r}, not a number.", path=path,
+                                key=name) from None
+            if not math.isfinite(value) or value <= 0:
+                raise LoraError(f"{path}: metadata '{name}' must be positive, got {metadata[name]!r}.", path=path,
+                                key=name)
+            return value
+    return None
+
+
+def _recommended(metadata: dict, path: Path) -> dict:
+    out = {}
+    for key, names, kind in (("steps", METADATA_STEPS, int), ("video_shift", METADATA_VIDEO_SHIFT, float),
+                             ("audio_shift", METADATA_AUDIO_SHIFT, float)):
+        value = _number(metadata, names, kind, path)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _network_alpha(metadata: dict, path: Path) -> float | None:
+    """A uniform alpha from the metadata: `alpha`, or peft's `lora_adapter_metadata` JSON (`lora_alpha`)."""
+    if "alpha" in metadata:
+        return _number(metadata, ("alpha",), float, path)
+    adapter = metadata.get("lora_adapter_metadata")
+    if adapter:
+        try:
+            config = json.loads(adapter)
+        except json.JSONDecodeError:
+            raise LoraError(f"{path}: metadata 'lora_adapter_metadata' is not JSON.", path=path) from None
+        if config.get("alpha_pattern") or config.get("rank_pattern"):
+            raise LoraError(f"{path}: per-module alpha_pattern / rank_pattern in lora_adapter_metadata are not "
+                            "supported; save the LoRA with per-module '.alpha' tensors instead.", path=path)
+        if "lora_alpha" in config and "r" in config:
+            return float(config["lora_alpha"]) * 1.0
+    return None
+
+
+def read_lora(source, config: H3DiTConfig | None = None) -> LoraFile:
+    """Read and check a LoRA file (memory-mapped). With the model's `config`, every update is checked against the
+    shapes of the parameter it changes; without one (e.g. to read the recommended settings) only the keys are."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise LoraError(f"{path}: no such LoRA file.", path=path)
+    refuse_pickle(path)
+    if path.suffix.lower() != ".safetensors":
+        raise LoraError(f"{path}: a LoRA must be a .safetensors file.", path=path)
+    file = SafetensorsFile(path)
+    metadata = dict(file.metadata or {})
+    keys = list(file.keys())
+    if not keys:
+        raise LoraError(f"{path}: holds no tensors; it is not a LoRA.", path=path)
+    if any("dora_scale" in k for k in keys):
+        key = next(k for k in keys if "dora_scale" in k)
+        raise LoraError(f"{path}: '{key}' marks a DoRA, which is not supported; use a plain LoRA.", path=path, key=key)
+    kind = _detect(keys)
+    network_alpha = _network_alpha(metadata, path)
+    groups: dict[str, dict[str, str]] = {}
+    for key in keys:
+        name = key.replace(".default.", ".")
+        for prefix in ("diffusion_model.", "model.diffusion_model.", "transformer."):
+            name = name.removeprefix(prefix)
+        module, part = _split(name)
+        if not part:
+            raise LoraError(f"{path}: key '{key}' is neither a LoRA pair (lora_A / lora_B, lora_down / lora_up), an "
+                            "alpha nor a diff; the file is not an H3 LoRA.", path=path, key=key)
+        if module.startswith("lora_unet_"):
+            flat = module.removeprefix("lora_unet_")
+            for pattern, replacement in _FLAT:
+                if re.fullmatch(pattern, flat):
+                    module = re.sub(pattern, replacement, flat)
+                    break
+            else:
+                raise LoraError(f"{path}: key '{key}' names no H3 transformer module in musubi-tuner's flattened "
+                                "layout.", path=path, key=key)
+        groups.setdefault(module, {})[part] = key
+    updates: dict[str, list[Update]] = {}
+    interleaved = kind == "DiffSynth-Studio"
+    for module, parts in groups.items():
+        target, part = module, None
+        mapped = _diffusers_module(module)
+        if mapped is not None:
+            target, part = mapped
+        if "down" in parts or "up" in parts:
+            for needed in ("down", "up"):
+                if needed not in parts:
+                    have = next(iter(parts.values()))
+                    raise LoraError(f"{path}: '{have}' has no matching {'lora_A / lora_down' if needed == 'down' else 'lora_B / lora_up'} "
+                                    "tensor; the pair is incomplete.", path=path, key=have)
+            down, up = file.tensor(parts["down"]), file.tensor(parts["up"])
+            if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+                raise LoraError(f"{path}: '{parts['up']}' {list(up.shape)} and '{parts['down']}' {list(down.shape)} are "
+                                "not a rank-r pair ([out, r] and [r, in]).", path=path, key=parts["up"])
+            rank = down.shape[0]
+            if "alpha" in parts:
+                scale = float(file.tensor(parts["alpha"]).float().item()) / rank
+            elif network_alpha is not None:
+                scale = network_alpha / rank
+            else:
+                scale = 1.0
+            updates.setdefault(target + ".weight", []).append(
+                _placed(Update(up, down, scale), part, interleaved and target.endswith("attn.qkv_proj"), config))
+        for diff, suffix in (("diff", ".weight"), ("diff_b", ".bias")):
+            if diff in parts:
+                updates.setdefault(target + suffix, []).append(_placed(Update(file.tensor(parts[diff]), None), part,
+                                                                      False, config))
+        if set(parts) - {"down", "up", "alpha", "diff", "diff_b"} or set(parts) == {"alpha"}:
+            key = parts.get("alpha") or next(iter(parts.values()))
+            raise LoraError(f"{path}: '{key}' belongs to no LoRA pair.", path=path, key=key)
+    lora = LoraFile(path, kind, metadata, updates, sum(file.nbytes(k) for k in keys), _recommended(metadata, path))
+    if config is not None:
+        check_against(lora, config)
+    return lora
+
+
+def _placed(update: Update, part, interleaved: bool, config: H3DiTConfig | None) -> Update:
+    """Rows and row order of an update from the mapping of its module (QKV slice, fc1 half swap, interleave)."""
+    rows = update.up.shape[0]
+    if isinstance(part, int):
+        return Update(update.up, update.down, update.scale, (part * rows, (part + 1) * rows))
+    if part == "swap":  # diffusers [up; gate] -> our [gate; up]
+        half = rows // 2
+        order = torch.cat((torch.arange(half, rows), torch.arange(half)))
+        return Update(update.up, update.down, update.scale, None, order)
+    if interleaved:
+        if config is None:
+            raise LoraError("a DiffSynth-Studio LoRA needs the model's head count to be read; apply it to a loaded "
+                            "transformer.")
+        heads, head_dim = config.num_attention_heads, config.attention_head_dim
+        order = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim).transpose(0, 1).reshape(-1)
+        return Update(update.up, update.down, update.scale, None, order)
+    return update
+
+
+def _parameter_shapes(config: H3DiTConfig) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = H3DiT(config)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def check_against(lora: LoraFile, config: H3DiTConfig, shapes: dict | None = None) -> None:
+    """Every update names a parameter of the model and fits its shape; one `LoraError` naming the key otherwise."""
+    shapes = shapes or _parameter_shapes(config)
+    for name, updates in lora.updates.items():
+        if name not in shapes:
+            raise LoraError(f"{lora.path}: changes '{name}', which the {config.num_layers}-block H3 transformer does "
+                            "not have: the LoRA belongs to another model (or another partition size).", path=lora.path,
+                            key=name)
+        shape = shapes[name]
+        for update in updates:
+            start, stop = update.rows or (0, shape[0])
+            rows = update.up.shape[0]
+            expect_in = shape[1] if len(shape) > 1 else None
+            if rows != stop - start or stop > shape[0] or (
+                    update.down is not None and update.down.shape[1] != expect_in) or (
+                    update.down is None and tuple(update.up.shape[1:]) != tuple(shape[1:])):
+                got = [list(update.up.shape)] + ([list(update.down.shape)] if update.down is not None else [])
+                want = (f"up [{stop - start}, r] and down [r, {expect_in}]" if update.down is not None
+                        else f"{[stop - start, *shape[1:]]}")
+                raise LoraError(f"{lora.path}: the update of '{name}' has shapes {got}; the model needs {want} "
+                                f"(parameter {list(shape)}). The LoRA was trained for another model size.",
+                                path=lora.path, key=name)
+
+
+# ---- folding --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoraFold:
+    """The LoRAs applied to one model, with their strengths: folds them into materialised tensors by name."""
+
+    loras: list[tuple[LoraFile, float]]
+
+    def targets(self) -> set[str]:
+        return {name for lora, strength in self.loras if strength != 0 for name in lora.updates}
+
+    def fold(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (a fresh device copy, never the host store) with every update of `name` added, in place."""
+        for lora, strength in self.loras:
+            if strength == 0:
+                continue
+            for update in lora.updates.get(name, ()):
+                delta = update.delta(tensor.device) * strength
+                view = tensor if update.rows is None else tensor[update.rows[0]: update.rows[1]]
+                view.add_(delta.to(tensor.dtype))
+        return tensor
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
+        targets = self.targets()
+        for name, tensor in tensors.items():
+            if name in targets:
+                self.fold(name, tensor)
+
+
+def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H3DiT:
+    """Make `loras` ((file, strength), ...) the LoRAs of a loaded transformer, replacing any applied before, without
+    reloading it. Streamed blocks get them when next materialised; resident weights are re-made from the checkpoint
+    and folded now. `[]` (or strength 0) gives the base model's weights back exactly."""
+    applied = []
+    shapes = {name: tuple(r.shape) for name, r in model.weight_recipes.items()}
+    for entry in loras:
+        try:
+            source, strength = entry
+            strength = float(strength)
+        except (TypeError, ValueError):
+            raise LoraError(f"LoRAs are (file, strength) pairs, got {entry!r}.") from None
+        if not math.isfinite(strength):
+            raise LoraError(f"{source}: LoRA strength must be a finite number, got {strength}.")
+        lora = read_lora(source, model.config)
+        check_against(lora, model.config, shapes)
+        applied.append((lora, strength))
+    fold = LoraFold(applied)
+    previous = getattr(model, "lora_fold", None)
+    touched = fold.targets() | (previous.targets() if previous is not None else set())
+    streamed = model.streamed_parameter_names()
+    device = model.final_layer.norm.weight.device  # the output norm is never streamed
+    for name, parameter in model.named_parameters():
+        if name not in touched or name in streamed:
+            continue
+        recipe = model.weight_recipes[name]
+        if name in fold.targets():
+            parameter.data = fold.fold(name, recipe.materialise(device))
+        else:
+            parameter.data = recipe.host_value().to(device)  # exactly what the loader placed
+    model.set_weight_transform(fold if fold.targets() else None)
+    model.lora_fold = fold
+    model.loras = tuple((lora.path, strength) for lora, strength in applied)
+    return model
