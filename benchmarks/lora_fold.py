@@ -10,6 +10,7 @@ One released H3 block's linears with random weights: fused QKV [3*5376, 5376], o
 over `--rounds` rounds, medians are reported:
   fold      W.addmm_(B, A, alpha=s)        in place, once per block load (= once per block per sampling step)
   fold-oop  W.add_(B @ A, alpha=s)         the same with one temporary [out, in] per layer
+  fold-core W[k:k+4096].add_(((B[k:k+4096] @ A) * s).to(W.dtype))   h3_core's Update.add_to (FOLD_ROWS = 4096)
   runtime   y.addmm_(x @ A.T, B.T, alpha=s) the extra work of the unfolded path in each forward, at each row count
   plain     y = x @ W.T                    the block's linears without LoRA (for the fold-cost fraction)
 The runtime path runs over chunks of at most `--chunk-rows` rows (as the core's chunked blocks do; the per-row cost
@@ -75,18 +76,21 @@ def run_child(args) -> dict:
     warm = torch.randn(256, 512).to(dtype)
     warm.addmm_(warm[:, :64], warm[:64], alpha=SCALE)  # thread pools and BLAS started before anything is timed
     times, peaks = {}, {}
-    if args.mode in ("fold", "fold-oop", "plain"):
+    if args.mode != "runtime":
         weights = {n: filled(o, i, dtype, 3) for n, (o, i, r) in layers.items()}
-    if args.mode in ("fold", "fold-oop"):
-        for timed in (False, True):  # one untimed pass first: these shapes' first call (every block load repeats them)
+    if args.mode.startswith("fold"):
+        for _ in range(2):  # only the second pass counts (first calls at these shapes excluded)
             with Peak() as peak:
                 for name, w in weights.items():
                     a, b = lora[name]
                     start = time.perf_counter()
                     if args.mode == "fold":
                         w.addmm_(b, a, alpha=SCALE)
-                    else:
+                    elif args.mode == "fold-oop":
                         w.add_(b @ a, alpha=SCALE)
+                    else:  # the core's loop: float32 products cast back to W's dtype
+                        for k in range(0, w.shape[0], 4096):
+                            w[k:k + 4096].add_(((b[k:k + 4096].float() @ a.float()) * SCALE).to(w.dtype))
                     times[name] = time.perf_counter() - start
         peaks["block"] = peak.mib
         return {"times": times, "peaks": peaks}
@@ -140,14 +144,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads in each child")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--full", action="store_true", help="5 rounds, rows up to 49152, plain also at 4096 rows")
-    parser.add_argument("--mode", choices=("fold", "fold-oop", "runtime", "plain"), help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=("fold", "fold-oop", "fold-core", "runtime", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
         print(json.dumps(run_child(args)))
         return
     if args.full:
         args.rounds, args.rows, args.plain_rows = 5, [256, 1024, 4096, 12432, 32768, 49152], [1024, 4096]
-    modes = ("fold", "fold-oop", "runtime", "plain")
+    modes = ("fold", "fold-oop", "fold-core", "runtime", "plain")
     runs = {m: [] for m in modes}
     load_before, start = os.getloadavg(), time.perf_counter()
     for _ in range(args.rounds):
@@ -167,9 +171,9 @@ def main() -> None:
           f"64 attention/FFN, 16 AdaLN), {args.dtype}; {cpu}, {os.cpu_count()} cores, {args.threads} threads, torch "
           f"{torch.__version__}; medians of {args.rounds} fresh processes per mode; load average "
           f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {time.perf_counter() - start:.0f} s")
-    fold = {m: (sum(med[m][n] for n in PACKED), med[m]["adaln"]) for m in ("fold", "fold-oop")}
+    fold = {m: (sum(med[m][n] for n in PACKED), med[m]["adaln"]) for m in modes if m.startswith("fold")}
     for m, (packed, adaln) in fold.items():
-        print(f"  {m:<8}  {packed + adaln:6.3f} s per block load ({packed:.3f} attention+FFN, {adaln:.3f} AdaLN)   "
+        print(f"  {m:<9} {packed + adaln:6.3f} s per block load ({packed:.3f} attention+FFN, {adaln:.3f} AdaLN)   "
               f"peak extra {peak[m]['block']:7.1f} MiB   (" +
               ", ".join(f"{n} {med[m][n]:.3f}" for n in PACKED) + ")")
     print(f"  runtime AdaLN branch ({args.adaln_rows} rows): {med['runtime']['adaln'] * 1e3:.2f} ms; plain AdaLN "
@@ -178,15 +182,16 @@ def main() -> None:
     per_row = med["plain"][top] / int(top)
     fold_total = fold["fold"][0] + fold["fold"][1]
     itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    print(f"  {'rows':>6} {'runtime s':>10} {'fold s':>7} {'oop s':>7} {'runtime/fold':>12} {'plain s':>9} "
-          f"{'fold/plain':>10} {'runtime peak MiB':>17} {'[rows,r] MiB':>12}")
+    print(f"  {'rows':>6} {'runtime s':>10} {'fold s':>7} {'oop s':>7} {'core s':>7} {'runtime/fold':>12} "
+          f"{'plain s':>9} {'fold/plain':>10} {'runtime peak MiB':>17} {'[rows,r] MiB':>12}")
     runtime = []
     for rows in args.rows:
         t = med["runtime"][str(rows)] + med["runtime"]["adaln"]
         runtime.append(t)
         measured = str(rows) in med["plain"]
         plain = (med["plain"][str(rows)] if measured else per_row * rows) + med["plain"]["adaln"]
-        print(f"  {rows:>6} {t:>10.3f} {fold_total:>7.3f} {sum(fold['fold-oop']):>7.3f} {t / fold_total:>12.3f} "
+        print(f"  {rows:>6} {t:>10.3f} {fold_total:>7.3f} {sum(fold['fold-oop']):>7.3f} {sum(fold['fold-core']):>7.3f} "
+              f"{t / fold_total:>12.3f} "
               f"{'' if measured else '~'}{plain:>8.2f} {fold_total / plain:>10.4f} "
               f"{peak['runtime'][str(rows)]:>17.1f} {rows * 64 * itemsize / 2**20:>12.1f}")
     print(f"  plain forward measured at {args.plain_rows} rows ({per_row * 1e3:.2f} ms/row); '~' = scaled linearly. "
@@ -195,7 +200,8 @@ def main() -> None:
           f"{fold['fold'][1]:.3f} s); attention+FFN alone: fold when "
           f"{interpolate_crossover(args.rows, [med['runtime'][str(r)] for r in args.rows], fold['fold'][0])}")
     print(f"rule (per block per step, in-place fold): fold when {interpolate_crossover(args.rows, runtime, fold_total)}"
-          f"; out-of-place fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-oop']))}")
+          f"; out-of-place fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-oop']))}; h3_core's "
+          f"4096-row fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-core']))}")
 
 
 if __name__ == "__main__":
