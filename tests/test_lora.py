@@ -284,15 +284,21 @@ def test_recommended_settings_come_from_the_metadata(tmp_path):
         h3_core.read_lora(path)
 
 
-def test_a_fold_in_row_chunks_equals_one_fold(checkpoints, inputs, tmp_path, monkeypatch):
-    """Folds run FOLD_ROWS rows at a time to bound their temporary; small chunks give the same weights."""
+def test_a_fold_in_steps_equals_one_fold(checkpoints, inputs, tmp_path, monkeypatch):
+    """bf16 / fp16 weights are folded FOLD_ELEMENTS at a time to bound the float32 product; small steps give the same
+    weights as one step (the float32 fold is one in-place addmm_)."""
     from h3_core.checkpoints import lora_loader
 
     path = write_lora(tmp_path / "lora.safetensors", "diffusers", seed=8)  # with the fc1 half swap's row order
-    whole = h3_core.load_dit(checkpoints["native"], loras=[(path, 1.0)])
-    monkeypatch.setattr(lora_loader, "FOLD_ROWS", 7)
-    chunked = h3_core.load_dit(checkpoints["native"], loras=[(path, 1.0)], residency="layerwise")
+    whole = h3_core.load_dit(checkpoints["native"], loras=[(path, 1.0)], dtype=torch.bfloat16)
+    monkeypatch.setattr(lora_loader, "FOLD_ELEMENTS", 7 * INNER)
+    stepped = h3_core.load_dit(checkpoints["native"], loras=[(path, 1.0)], dtype=torch.bfloat16,
+                               residency="layerwise")
     with torch.no_grad():
-        assert all(rel_l2(a, b) <= 1e-6 for a, b in zip(chunked(**inputs), whole(**inputs)))
-    assert chunked.lora_fold.folds > 0 and chunked.lora_fold.factor_bytes_moved > 0
-    assert chunked.lora_fold.peak_temporary_bytes() == 4 * 7 * INNER  # 7 rows of the widest (out_proj: INNER columns)
+        assert all(torch.equal(a, b) for a, b in zip(stepped(**inputs), whole(**inputs)))
+    fold = stepped.lora_fold
+    assert fold.folds > 0 and fold.factor_bytes_moved > 0
+    # out_proj (INNER columns): 7 rows of product plus the factors of one step; float32 weights need no product.
+    assert fold.peak_temporary_bytes(torch.bfloat16) == 4 * (7 * INNER + 7 * RANK + RANK * INNER)
+    # Into float32 weights no product exists; the largest temporary is one update's factors (the AdaLN table's).
+    assert fold.peak_temporary_bytes(torch.float32) == 4 * (6 * 3 * 64 * RANK + RANK * 32)

@@ -38,9 +38,9 @@ from ..models.dit_config import H3DiTConfig
 from .safetensors_io import SafetensorsFile, refuse_pickle
 
 
-# A fold computes the update this many rows at a time: its float32 temporary stays under FOLD_ROWS x in_features
-# (88 MiB at H3's 5376 columns) instead of a whole fused QKV or fc1 (347 / 617 MiB).
-FOLD_ROWS = 4096
+# A fold into a low-precision weight computes its float32 product this many elements at a time (64 MiB), instead
+# of a whole fused QKV or fc1 at once (347 / 617 MiB at H3's sizes); a float32 weight is folded with no temporary.
+FOLD_ELEMENTS = 1 << 24
 
 
 class LoraError(CheckpointError):
@@ -65,20 +65,33 @@ class Update:
     row_order: torch.Tensor | None = None
 
     def add_to(self, target: torch.Tensor, strength: float) -> int:
-        """`target += strength * update` (float32 products, cast to the target's dtype), FOLD_ROWS rows at a time;
-        returns the bytes of the factors read onto the device."""
-        device = target.device
+        """`target += strength * scale * update` with float32 products, in place: `addmm_` into a float32 weight;
+        for bf16 / fp16 weights a float32 product of `fold_rows` rows at a time, added with one rounding. Returns the
+        bytes of the factors read onto the device."""
+        device, factor = target.device, strength * self.scale
         down = None if self.down is None else self.down.to(device=device, dtype=torch.float32)
         order = self.row_order
         moved = 0 if down is None else down.numel() * 4
-        for start in range(0, target.shape[0], FOLD_ROWS):
-            stop = min(start + FOLD_ROWS, target.shape[0])
+        step = fold_rows(target)
+        for start in range(0, target.shape[0], step):
+            stop = min(start + step, target.shape[0])
             up = self.up[start:stop] if order is None else self.up.index_select(0, order[start:stop])
             up = up.to(device=device, dtype=torch.float32)
             moved += up.numel() * 4
-            delta = up if down is None else up @ down
-            target[start:stop].add_((delta * (strength * self.scale)).to(target.dtype))
+            if down is None:
+                target[start:stop].add_(up, alpha=factor)
+            elif target.dtype == torch.float32:
+                target[start:stop].addmm_(up, down, alpha=factor)
+            else:
+                target[start:stop].add_(up @ down, alpha=factor)
         return moved
+
+
+def fold_rows(target: torch.Tensor) -> int:
+    """Rows per fold step: all of them for a float32 weight (no temporary), else FOLD_ELEMENTS worth."""
+    if target.dtype == torch.float32:
+        return max(1, target.shape[0])
+    return max(1, FOLD_ELEMENTS // max(1, target[0].numel()))
 
 
 @dataclass
@@ -369,11 +382,22 @@ class LoraFold:
                 self.folds += 1
         return tensor
 
-    def peak_temporary_bytes(self) -> int:
-        """The largest float32 temporary one fold step makes (FOLD_ROWS rows of the widest updated parameter)."""
-        widest = [min(FOLD_ROWS, u.up.shape[0]) * (u.down.shape[1] if u.down is not None else max(1, u.up[0].numel()))
-                  for lora, strength in self.loras if strength != 0 for ups in lora.updates.values() for u in ups]
-        return 4 * max(widest, default=0)
+    def peak_temporary_bytes(self, dtype: torch.dtype) -> int:
+        """The largest float32 temporary one fold step makes into weights of `dtype`: the factors moved for one
+        update (the up rows of a step and the down matrix), plus the product when the weight is not float32."""
+        peak = 0
+        for lora, strength in self.loras:
+            if strength == 0:
+                continue
+            for updates in lora.updates.values():
+                for u in updates:
+                    rows, rank = u.up.shape[0], u.up[0].numel()
+                    cols = u.down.shape[1] if u.down is not None else rank
+                    step = rows if dtype == torch.float32 else max(1, FOLD_ELEMENTS // cols)
+                    product = 0 if dtype == torch.float32 or u.down is None else min(step, rows) * cols
+                    factors = min(step, rows) * rank + (u.down.numel() if u.down is not None else 0)
+                    peak = max(peak, 4 * (product + factors))
+        return peak
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
         targets = self.targets()
