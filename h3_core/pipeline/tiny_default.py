@@ -3,7 +3,8 @@
 It exists to check an install end to end (CLI, pipeline, ComfyUI nodes) without downloading 130 GB; its output is
 noise. On first use it is generated deterministically (fixed seeds) into a cache folder in real file layouts — a
 ComfyUI `models/` tree: `diffusion_models/`, `text_encoders/` (an official Qwen3-VL folder with its tokenizer), `vae/`
-— and it is then loaded through the same loaders as real weights.
+— and it is then loaded through the same loaders as real weights. `loras/` holds a tiny random "turbo" LoRA for its
+transformer (original key names, rank 4, metadata recommending 8 steps) for the LoRA surfaces' checks.
 """
 
 from __future__ import annotations
@@ -192,12 +193,41 @@ def _write_vaes(root: Path) -> None:
     _save(state, root / "vae" / "minimax_h3_audio_vae_tiny_fp32.safetensors")
 
 
+TINY_LORA = "h3_tiny_turbo_lora.safetensors"
+TINY_LORA_RANK = 4
+TINY_LORA_STEPS = 8
+
+
+def write_tiny_lora(path: Path) -> Path:
+    """A deterministic random rank-4 LoRA of the tiny transformer's attention projections, in the original / ComfyUI
+    key format (`blocks.N.attn.qkv_proj.lora_A.weight` / `lora_B`), its `__metadata__` recommending 8 steps like a
+    few-step "turbo" LoRA. Its output is noise, as the model's."""
+    generator = torch.Generator().manual_seed(6)
+    c = TINY_DIT
+    inner = c.num_attention_heads * c.attention_head_dim
+    state = {}
+    for i in range(c.num_layers):
+        for module, rows, cols in (("qkv_proj", 3 * inner, c.hidden_size), ("out_proj", c.hidden_size, inner)):
+            # up @ down has entries of about 0.05 / sqrt(fan_in): a tenth of the random weights it changes.
+            state[f"blocks.{i}.attn.{module}.lora_A.weight"] = (
+                torch.randn(TINY_LORA_RANK, cols, generator=generator) / cols ** 0.5)
+            state[f"blocks.{i}.attn.{module}.lora_B.weight"] = (
+                0.05 * torch.randn(rows, TINY_LORA_RANK, generator=generator) / TINY_LORA_RANK ** 0.5)
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One metadata entry: safetensors writes several in hash order, and the file must be the same bytes every time.
+    save_file(state, str(path), metadata={"h3_stream.steps": str(TINY_LORA_STEPS)})
+    return path
+
+
 def write_tiny_model(root: Path) -> Path:
     """Write the whole tiny stack into `root` (a ComfyUI-style models folder)."""
     root.mkdir(parents=True, exist_ok=True)
     _write_dit(root)
     _write_text_encoder(root)
     _write_vaes(root)
+    write_tiny_lora(root / "loras" / TINY_LORA)
     (root / "model_index.json").write_text(json.dumps({
         "_minimax_h3": {"schema_version": 1, "partition": "fl2va", "tiny_random": True,
                         "text_encoder_layer": TEXT_ENCODER_LAYER}}, indent=2))
@@ -210,6 +240,7 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> P
     root = Path(cache_dir).expanduser() if cache_dir else cache_root()
     target = root / TINY_VERSION
     if (target / "model_index.json").is_file():
+        ensure_tiny_lora(root)  # a cache written before the LoRA existed
         return target
     root.mkdir(parents=True, exist_ok=True)
     if log:
@@ -220,9 +251,31 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> P
         try:
             staging.rename(target)
         except OSError:
-            if not (target / "model_index.json").is_file():  # not a concurrent writer finishing first
+            if (target / "model_index.json").is_file():
+                pass  # a concurrent writer finished first
+            elif target.is_dir():  # only the LoRA was written ahead (ensure_tiny_lora): move the rest in, index last
+                for entry in sorted(staging.iterdir(), key=lambda p: p.name == "model_index.json"):
+                    if not (target / entry.name).exists():
+                        entry.rename(target / entry.name)
+            else:
                 raise
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def ensure_tiny_lora(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The tiny turbo LoRA (`<tiny model folder>/loras/h3_tiny_turbo_lora.safetensors`), written on first use without
+    the model (a few KB, no tokenizer training), so that ComfyUI can list it when it starts."""
+    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    path = root / TINY_VERSION / "loras" / TINY_LORA
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{TINY_LORA}.{os.getpid()}.tmp")
+        try:
+            write_tiny_lora(staging)
+            os.replace(staging, path)  # never half a file under the real name
+        finally:
+            staging.unlink(missing_ok=True)
+    return path
