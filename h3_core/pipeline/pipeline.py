@@ -10,12 +10,14 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..checkpoints.audio_vae_loader import load_audio_vae
 from ..checkpoints.dit_loader import load_dit
+from ..checkpoints.lora_loader import set_loras
 from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
@@ -169,10 +171,13 @@ class H3Pipeline:
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
                video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
                check_interrupt=None, chunk_size: int | None = None,
-               between_chunks: Callable[[], None] | None = None) -> Latents:
+               between_chunks: Callable[[], None] | None = None, loras=None) -> Latents:
         """The sampling loop. `chunk_size` (packed rows per chunk) and `between_chunks` (run after every row chunk,
         e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting. Neither
-        changes the model."""
+        changes the model.
+
+        `loras` ((file, strength), ...) becomes the transformer's LoRA set before sampling (`set_loras`, no reload;
+        `()` is the base model) and stays until another call changes it; None keeps the set the model has."""
         schedule = Schedule.build(steps, video_shift, audio_shift)
         condition_latents = []
         if cond.keyframes:
@@ -180,6 +185,13 @@ class H3Pipeline:
             condition_latents = [vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
                                  for image in cond.keyframes]
         dit = self.component("transformer")
+        if loras is not None:
+            try:
+                wanted = tuple((Path(path).expanduser(), float(strength)) for path, strength in loras)
+            except (TypeError, ValueError):
+                wanted = None  # set_loras names what is wrong with the entry
+            if wanted is None or tuple(getattr(dit, "loras", ())) != wanted:
+                set_loras(dit, list(loras))
         config = dit.config
         if cond.states.shape[-1] != config.text_dim:
             raise H3Error(f"the text encoder gives {cond.states.shape[-1]}-wide states but the transformer expects "
@@ -228,7 +240,8 @@ class H3Pipeline:
 
     def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
-                 audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None) -> GenerationResult:
+                 audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,
+                 loras=None) -> GenerationResult:
         shape = LatentShape.for_request(width, height, num_frames)
         timings = {}
         started = time.perf_counter()
@@ -237,7 +250,7 @@ class H3Pipeline:
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
         latents = self.sample(cond, shape, steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                              progress=progress, check_interrupt=check_interrupt)
+                              progress=progress, check_interrupt=check_interrupt, loras=loras)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
         frames, waveform = self.decode(latents)

@@ -134,11 +134,12 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
-                    log: Callable[[str], None] | None = None) -> dict:
+                    loras=(), log: Callable[[str], None] | None = None) -> dict:
     """Loader options per component from the user's settings; with a memory budget, the preflight decides.
 
     `residency` applies to all four components: "resident", "layerwise", or "auto" (layerwise on Apple MPS, where the
-    admission rules require it for every component; resident elsewhere).
+    admission rules require it for every component; resident elsewhere). `loras` ((file, strength), ...) go to the
+    transformer's loader either way.
     """
     if memory_budget_gb is not None:
         if not memory_budget_gb > 0:
@@ -147,12 +148,14 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
                                height=height, num_frames=num_frames, chunk_size=chunk_size)
         if log:
             log(plan.describe())
-        return plan.component_options
-    if residency == "auto":
-        residency = Platform.for_device(device).default_residency
-    options: dict = {name: ({"residency": residency} if residency != "resident" else {})
-                     for name in COMPONENTS}
-    if chunk_size is not None:  # rows per chunk of attention queries and MLP, in the transformer and text encoder
-        options["transformer"]["chunk_size"] = chunk_size
-        options["text_encoder"]["chunk_size"] = chunk_size
+        options = {name: dict(opts) for name, opts in plan.component_options.items()}
+    else:
+        if residency == "auto":
+            residency = Platform.for_device(device).default_residency
+        options = {name: ({"residency": residency} if residency != "resident" else {}) for name in COMPONENTS}
+        if chunk_size is not None:  # rows per chunk of attention queries and MLP, in the transformer and text encoder
+            options["transformer"]["chunk_size"] = chunk_size
+            options["text_encoder"]["chunk_size"] = chunk_size
+    if loras:
+        options.setdefault("transformer", {})["loras"] = [(path, float(strength)) for path, strength in loras]
     return options
