@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 from ..errors import H3Error
 from ..runtime.platform import Platform, peak_rss_bytes
 from .layout import FPS, align_num_frames, frames_for_seconds
+from .sampler import AUDIO_SHIFT, VIDEO_SHIFT
 
 MAX_SECONDS = 15.0
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,6 +38,53 @@ def parse_size(text: str) -> tuple[int, int]:
     return width, height
 
 
+def parse_lora(text: str) -> tuple[Path, float]:
+    """`FILE[:STRENGTH]` -> (file, strength); the strength defaults to 1.0. A file whose own name has a colon (a
+    Windows drive) is read whole when what follows the last colon is not a number and the whole name exists."""
+    path, strength = text, 1.0
+    head, colon, tail = text.rpartition(":")
+    if colon:
+        try:
+            path, strength = head, float(tail)
+        except ValueError:
+            if not Path(text).expanduser().is_file():
+                raise CliError(f"--lora {text}: strength {tail!r} is not a number; write FILE[:STRENGTH], e.g. "
+                               "turbo.safetensors:0.8.") from None
+        if not math.isfinite(strength):
+            raise CliError(f"--lora {text}: strength must be a finite number, got {tail!r}.")
+    file = Path(path).expanduser()
+    if not path or not file.is_file():
+        raise CliError(f"--lora {text}: no such file {str(file)!r}.")
+    return file, strength
+
+
+def lora_recommendations(loras, args, say) -> dict:
+    """Steps and shifts the LoRAs' metadata recommend that the user did not give (the first LoRA giving one wins);
+    says which it uses in one line."""
+    from ..checkpoints.lora_loader import read_lora
+
+    flags = {"steps": ("steps", args.steps), "video_shift": ("video shift", args.video_shift),
+             "audio_shift": ("audio shift", args.audio_shift)}
+    chosen: dict = {}
+    sources = []
+    for path, _ in loras:
+        try:
+            recommended = read_lora(path).recommended
+        except H3Error as exc:
+            raise CliError(f"--lora: {exc}") from None
+        for key, value in recommended.items():
+            if key in flags and flags[key][1] is None and key not in chosen:
+                chosen[key] = value
+                if path.name not in sources:
+                    sources.append(path.name)
+    if chosen:
+        described = ", ".join(f"{value:g} steps" if key == "steps" else f"{flags[key][0]} {value:g}"
+                              for key, value in chosen.items())
+        overrides = " / ".join(f"--{key.replace('_', '-')}" for key in chosen)
+        say(f"using the LoRA's recommended {described} ({', '.join(sources)}); pass {overrides} to override")
+    return chosen
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -58,8 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="auto", help="auto keeps the checkpoint's dtypes")
-    g.add_argument("--video-shift", type=float, default=12.0)
-    g.add_argument("--audio-shift", type=float, default=3.0)
+    g.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
+                   help="a LoRA for the transformer (strength default 1.0); repeat for several. Steps and shifts the "
+                        "LoRA recommends are used unless given")
+    g.add_argument("--video-shift", type=float, help="sigma shift of the video schedule (default 12)")
+    g.add_argument("--audio-shift", type=float, help="sigma shift of the audio schedule (default 3)")
     g.add_argument("--out", type=Path, default=Path("out.mp4"))
     return parser
 
@@ -124,7 +176,11 @@ def generate(args, say=print) -> list[Path]:
     tiny = args.model is None
     defaults = TINY_DEFAULTS if tiny else MODEL_DEFAULTS
     width, height = parse_size(args.size or defaults["size"])
-    steps = defaults["steps"] if args.steps is None else args.steps
+    loras = [parse_lora(text) for text in args.lora]
+    recommended = lora_recommendations(loras, args, say)
+    steps = recommended.get("steps", defaults["steps"]) if args.steps is None else args.steps
+    video_shift = recommended.get("video_shift", VIDEO_SHIFT) if args.video_shift is None else args.video_shift
+    audio_shift = recommended.get("audio_shift", AUDIO_SHIFT) if args.audio_shift is None else args.audio_shift
     if steps < 2:
         raise CliError(f"--steps {steps}: must be at least 2 (grid points including the final 0).")
     num_frames = resolve_frames(args, defaults, say)
@@ -143,15 +199,15 @@ def generate(args, say=print) -> list[Path]:
 
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
                               memory_budget_gb=args.memory_budget, width=width, height=height,
-                              num_frames=num_frames, log=say)
+                              num_frames=num_frames, loras=loras, log=say)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say)
     say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
-        f"seed {args.seed}")
+        f"seed {args.seed}" + "".join(f", LoRA {path.name} x{strength:g}" for path, strength in loras))
     try:
         result = pipeline.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
                                    seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
-                                   video_shift=args.video_shift, audio_shift=args.audio_shift,
+                                   video_shift=video_shift, audio_shift=audio_shift,
                                    progress=ProgressBar("sampling"))
     finally:
         pipeline.release_all()
