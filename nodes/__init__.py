@@ -8,6 +8,7 @@ from comfy_api.latest import ComfyExtension, io
 from .decode_audio import H3StreamDecodeAudio
 from .decode_video import H3StreamDecodeVideo
 from .loader import H3StreamLoader
+from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_sources import register_h3_folder
 from .sampler import H3StreamSampler
@@ -23,6 +24,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamDecodeAudio,
     H3StreamMemoryReport,
     H3StreamUnload,
+    H3StreamLoRA,
 )
 
 

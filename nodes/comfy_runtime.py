@@ -61,16 +61,28 @@ def progress_bar(total: int, node_id=None):
     return comfy.utils.ProgressBar(total, node_id=node_id)
 
 
+def _prompt_server():
+    try:
+        from server import PromptServer
+    except ImportError:  # not inside a ComfyUI server
+        return None
+    return getattr(PromptServer, "instance", None)
+
+
 def send_memory_report(node_id, report: dict, summary: str) -> None:
     """Feed the web extension's memory badge (`MEMORY_EVENT`) and the node's progress text. Headless runs have no
     listener; the summary is logged either way."""
     log.info("h3-stream node %s: %s", node_id, summary)
-    try:
-        from server import PromptServer
-    except ImportError:  # not inside a ComfyUI server
-        return
-    instance = getattr(PromptServer, "instance", None)
+    instance = _prompt_server()
     if instance is not None:
         instance.send_sync(MEMORY_EVENT, {"node": str(node_id), **report})
         if node_id is not None:
             instance.send_progress_text(summary, node_id)
+
+
+def send_progress_text(node_id, text: str) -> None:
+    """The text shown under a node (every frontend renderer shows it); logged for headless runs."""
+    log.info("h3-stream node %s: %s", node_id, text)
+    instance = _prompt_server()
+    if instance is not None and node_id is not None:
+        instance.send_progress_text(text, node_id)

@@ -6,6 +6,7 @@ ComfyUI's `folder_paths` lists the choices; `h3_core.pipeline.resolve_model` und
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -24,12 +25,21 @@ H3_FOLDER_KEY = "h3"
 # any other (a combo value must be one of the options); it stands for "not chosen".
 NONE = "(none)"
 DEFAULT_REPO_ID = "MiniMaxAI/MiniMax-H3"
+log = logging.getLogger("h3_stream")
 
 
 def register_h3_folder() -> None:
-    """Register `models/h3/` (official or release layouts, one folder per model) with ComfyUI's model folders."""
+    """Register `models/h3/` (official or release layouts, one folder per model) with ComfyUI's model folders, and
+    the tiny test model's `loras/` folder (its turbo LoRA, written here if missing: a few KB) as a `loras` path, so
+    the turbo example workflow finds its LoRA on a fresh machine."""
     os.makedirs(os.path.join(folder_paths.models_dir, H3_FOLDER_KEY), exist_ok=True)
     folder_paths.add_model_folder_path(H3_FOLDER_KEY, os.path.join(folder_paths.models_dir, H3_FOLDER_KEY))
+    from h3_core.pipeline.tiny_default import ensure_tiny_lora
+
+    try:
+        folder_paths.add_model_folder_path("loras", str(ensure_tiny_lora().parent))
+    except OSError as error:  # a read-only cache: the pack still loads, without the tiny LoRA
+        log.warning("h3-stream: the tiny test LoRA could not be written (%s)", error)
 
 
 def h3_folder_choices() -> list[str]:

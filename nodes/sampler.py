@@ -64,6 +64,7 @@ class H3StreamSampler(io.ComfyNode):
                                       audio_shift=audio_shift,
                                       progress=lambda step, total: bar.update_absolute(step, total),
                                       check_interrupt=comfy_runtime.check_interrupt,
-                                      chunk_size=chunk_size if chunk_size > 0 else None, between_chunks=reclaim)
+                                      chunk_size=chunk_size if chunk_size > 0 else None, between_chunks=reclaim,
+                                      loras=h3_model.loras)
         comfy_runtime.soft_empty_cache()
         return io.NodeOutput(latents)

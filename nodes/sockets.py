@@ -20,11 +20,13 @@ H3Latent = io.Custom("H3_LATENT")
 @dataclass(frozen=True)
 class H3ModelHandle:
     """What `H3_MODEL` carries: the pipeline (it loads each component when a phase first needs it and keeps it until
-    released) and the settings it was built with."""
+    released), the settings it was built with, and the LoRAs ((file, strength), ...) the sampler applies to its
+    transformer (H3 LoRA nodes add to a copy; one pipeline serves every handle made from it)."""
 
     pipeline: object  # h3_core.pipeline.H3Pipeline
     settings: MemorySettings
     description: str
+    loras: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ LOADER = dict(source=TINY, partition="FL2VA", transformer_residency="LAYERWISE_O
 # 5 frames (2 latent frames, 8 audio latents) keep the tiny model's decoders fast; the example workflows run 1 s.
 SAMPLER = dict(width=W, height=H, seconds=1.0, frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=3.0,
                chunk_size=0)
+TINY_LORA = "h3_tiny_turbo_lora.safetensors"
 # Options of these combos are the files on the machine that recorded the contract.
 MACHINE_DEPENDENT_OPTIONS = {"h3_folder", "diffusion_model", "text_encoder", "video_vae", "audio_vae"}
 
@@ -97,6 +98,9 @@ def test_schemas_serialise_as_the_real_server_lists_them(pack):
             for name in MACHINE_DEPENDENT_OPTIONS & set(ours["input"].get(group, {})):
                 assert ours["input"][group][name][1].pop("options")[0] == "(none)"
                 assert real["input"][group][name][1].pop("options")[0] == "(none)"
+            if node_id == "H3StreamLoRA" and group == "required":  # the loras folders: the tiny LoRA on any machine
+                assert TINY_LORA in ours["input"][group]["lora_name"][1].pop("options")
+                assert TINY_LORA in real["input"][group]["lora_name"][1].pop("options")
         for key in ours:
             assert ours[key] == real[key], f"{node_id}.{key}: re-record with tests/comfy_double/record_contract.py"
 
@@ -423,6 +427,77 @@ def test_unload_releases_every_component(pack):
     run(pack["H3StreamUnload"], "7", h3_model=handle, after=latents)
     gc.collect()
     assert transformer() is None and vae() is None
+
+
+# ---- H3 LoRA -------------------------------------------------------------------------------------------------------
+
+
+def add_lora(pack, handle, strength=1.0, name=TINY_LORA, node_id="9"):
+    return run(pack["H3StreamLoRA"], node_id, h3_model=handle, lora_name=name, strength=strength)[0]
+
+
+def test_lora_nodes_chain_on_copies_of_the_handle(pack, recorders, tmp_path):
+    import folder_paths
+
+    base = load(pack)
+    second_file = Path(folder_paths.get_folder_paths("loras")[0]) / "second.safetensors"
+    shutil.copy(Path(folder_paths.get_full_path("loras", TINY_LORA)), second_file)
+    first = add_lora(pack, base, 0.5)
+    both = add_lora(pack, first, -1.25, name="second.safetensors", node_id="10")
+    assert base.loras == () and first.loras == ((first.loras[0][0], 0.5),)  # upstream handles never change
+    assert [(path.name, strength) for path, strength in both.loras] == [(TINY_LORA, 0.5), ("second.safetensors",
+                                                                                          -1.25)]
+    assert both.pipeline is base.pipeline and both.settings is base.settings  # nothing reloaded
+    assert not base.pipeline._loaded  # and nothing loaded: the sampler applies the set
+    texts = [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"]
+    assert texts[0].startswith(f"LoRA {TINY_LORA} x0.5") and "recommends steps 8" in texts[0]  # shown, not set
+
+
+def test_sampling_with_a_lora_differs_and_strength_zero_is_the_base_model(pack):
+    for residency in ("LAYERWISE_OFFLOAD", "RESIDENT"):
+        handle = load(pack, transformer_residency=residency)
+        cond = encode(pack, handle)
+        sample = pack["H3StreamSampler"]
+        base, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+        lora, = run(sample, "3", h3_model=add_lora(pack, handle), h3_cond=cond, **SAMPLER)
+        assert handle.pipeline.component("transformer").loras == ((lora_file(), 1.0),)
+        zero, = run(sample, "3", h3_model=add_lora(pack, handle, 0.0), h3_cond=cond, **SAMPLER)
+        again, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)  # the base handle takes the LoRA off
+        assert not torch.equal(lora.video, base.video) and not torch.equal(lora.audio, base.audio), residency
+        for other in (zero, again):
+            assert torch.equal(other.video, base.video) and torch.equal(other.audio, base.audio), residency
+        assert handle.pipeline.component("transformer").loras == ()
+
+
+def lora_file() -> Path:
+    import folder_paths
+
+    return Path(folder_paths.get_full_path("loras", TINY_LORA))
+
+
+@pytest.mark.parametrize("name", ["../secrets.safetensors", "../../../../etc/passwd", "/etc/passwd",
+                                  "missing.safetensors", ""])
+def test_lora_name_outside_the_loras_folders_is_refused(pack, tmp_path, name):
+    from h3_core.errors import CheckpointError
+
+    import folder_paths
+
+    (Path(folder_paths.models_dir) / "secrets.safetensors").write_bytes(b"")  # next to loras/, not inside it
+    with pytest.raises(CheckpointError, match="lora_name: .* is not in ComfyUI's 'loras' folders"):
+        add_lora(pack, load(pack), name=name)
+
+
+def test_a_bad_lora_file_fails_at_the_lora_node(pack):
+    import folder_paths
+    from safetensors.torch import save_file
+
+    from h3_core import LoraError
+
+    save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(2, 2)},
+              str(Path(folder_paths.get_folder_paths("loras")[0]) / "broken.safetensors"))
+    assert "broken.safetensors" in pack["H3StreamLoRA"].GET_SCHEMA().inputs[1].options
+    with pytest.raises(LoraError, match="broken.safetensors.*blocks.0.attn.qkv_proj.weight"):
+        add_lora(pack, load(pack), name="broken.safetensors")
 
 
 # ---- packaging: locales, help pages, registry metadata -------------------------------------------------------------

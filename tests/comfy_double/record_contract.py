@@ -18,7 +18,7 @@ from pathlib import Path
 
 CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
-              "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload"]
+              "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA"]
 CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio"]
 # (module, dotted attribute) of every callable whose signature the double must share.
 CALLABLES = [

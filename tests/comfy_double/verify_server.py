@@ -18,7 +18,7 @@ from pathlib import Path
 
 PACK = Path(__file__).resolve().parents[2]
 NODE_IDS = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio",
-            "H3StreamMemoryReport", "H3StreamUnload"]
+            "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA"]
 
 
 def call(url: str, data: dict | None = None) -> dict:
