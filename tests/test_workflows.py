@@ -170,3 +170,19 @@ def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     assert torch.isfinite(waveform).all() and torch.isfinite(video["images"]).all()
     output_nodes = {node_id for node_id, node in prompt.items() if node["class_type"] in ("SaveVideo", "SaveAudio")}
     assert output_nodes <= set(result.ui)
+
+
+def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(executor):
+    from h3_core import read_lora
+
+    prompt = json.loads((EXAMPLES / "api" / "h3_stream_t2va_turbo_tiny.json").read_text())
+    lora_node = next(k for k, node in prompt.items() if node["class_type"] == "H3StreamLoRA")
+    sampler = next(node for node in prompt.values() if node["class_type"] == "H3StreamSampler")
+    sampler["inputs"]["seed"] += 1  # the sampler runs again (after the example's own run), asking for the LoRA's output
+    result = executor.run(prompt)
+    assert sampler["inputs"]["h3_model"] == [lora_node, 0]
+    handle = result.outputs[lora_node][0]
+    (path, strength), = handle.loras
+    assert path.name == "h3_tiny_turbo_lora.safetensors" and strength == 1.0
+    assert read_lora(path).recommended == {"steps": sampler["inputs"]["steps"]} == {"steps": 8}
+    assert handle.pipeline.component("transformer").loras == handle.loras
