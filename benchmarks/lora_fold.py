@@ -10,7 +10,7 @@ One released H3 block's linears with random weights: fused QKV [3*5376, 5376], o
 over `--rounds` rounds, medians are reported:
   fold      W.addmm_(B, A, alpha=s)        in place, once per block load (= once per block per sampling step)
   fold-oop  W.add_(B @ A, alpha=s)         the same with one temporary [out, in] per layer
-  fold-core W[k:k+4096].add_(((B[k:k+4096] @ A) * s).to(W.dtype))   h3_core's Update.add_to (FOLD_ROWS = 4096)
+  fold-core h3_core's own fold (`lora_loader.Update.add_to`: addmm_ into float32, stepped products otherwise)
   runtime   y.addmm_(x @ A.T, B.T, alpha=s) the extra work of the unfolded path in each forward, at each row count
   plain     y = x @ W.T                    the block's linears without LoRA (for the fold-cost fraction)
 The runtime path runs over chunks of at most `--chunk-rows` rows (as the core's chunked blocks do; the per-row cost
@@ -28,10 +28,14 @@ import platform
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from h3_core.checkpoints.lora_loader import Update  # noqa: E402
 
 H, FFN, T_DIM = 5376, 14336, 2688
 PACKED = {"qkv": (3 * H, H, 64), "out_proj": (H, H, 64), "fc1": (2 * FFN, H, 64), "fc2": (H, FFN, 64)}
@@ -88,9 +92,8 @@ def run_child(args) -> dict:
                         w.addmm_(b, a, alpha=SCALE)
                     elif args.mode == "fold-oop":
                         w.add_(b @ a, alpha=SCALE)
-                    else:  # the core's loop: float32 products cast back to W's dtype
-                        for k in range(0, w.shape[0], 4096):
-                            w[k:k + 4096].add_(((b[k:k + 4096].float() @ a.float()) * SCALE).to(w.dtype))
+                    else:  # the core's own fold, as a streamed block gets it
+                        Update(b, a, SCALE).add_to(w, 1.0)
                     times[name] = time.perf_counter() - start
         peaks["block"] = peak.mib
         return {"times": times, "peaks": peaks}
@@ -201,7 +204,7 @@ def main() -> None:
           f"{interpolate_crossover(args.rows, [med['runtime'][str(r)] for r in args.rows], fold['fold'][0])}")
     print(f"rule (per block per step, in-place fold): fold when {interpolate_crossover(args.rows, runtime, fold_total)}"
           f"; out-of-place fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-oop']))}; h3_core's "
-          f"4096-row fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-core']))}")
+          f"fold: {interpolate_crossover(args.rows, runtime, sum(fold['fold-core']))}")
 
 
 if __name__ == "__main__":
