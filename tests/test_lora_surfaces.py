@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import h3_core
+from h3_core.checkpoints.lora_loader import LoraFold
 from h3_core.pipeline import H3Pipeline, cli, resolve_model
 from h3_core.pipeline import pipeline as pipeline_module
 from h3_core.pipeline.planning import plan_components
@@ -47,10 +48,10 @@ def retuned(tmp_path, **metadata) -> Path:
 # ---- the tiny turbo LoRA ------------------------------------------------------------------------------------------
 
 
-def test_tiny_lora_is_deterministic_original_format_and_recommends_8_steps(tiny, lora, tmp_path):
+def test_tiny_lora_is_deterministic_original_format_and_recommends_8_sampling_steps(tiny, lora, tmp_path):
     assert lora.read_bytes() == write_tiny_lora(tmp_path / "again.safetensors").read_bytes()
     read = h3_core.read_lora(lora)
-    assert read.format == "original module names" and read.recommended == {"steps": 8}
+    assert read.format == "original module names" and read.recommended == {"steps": 9}
     assert sorted(read.updates) == [f"blocks.{i}.attn.{m}.weight" for i in (0, 1) for m in ("out_proj", "qkv_proj")]
     # Written on its own (the ComfyUI pack does at start-up) it does not stop the model being generated after it.
     fresh = tmp_path / "fresh"
@@ -140,9 +141,9 @@ def generate(tmp_path, *extra) -> list[str]:
 def test_cli_lora_uses_its_recommended_steps_and_says_so(tiny, lora, tmp_path, recorded, capsys):
     assert cli.main(generate(tmp_path, "--lora", f"{lora}:0.8")) == 0
     out = capsys.readouterr().out
-    assert f"using the LoRA's recommended 8 steps ({TINY_LORA}); pass --steps to override" in out
-    assert "7 model calls" in out and f"LoRA {TINY_LORA} x0.8" in out
-    assert recorded["load_dit"]["loras"] == [(lora, 0.8)] and recorded["generate"]["steps"] == 8
+    assert f"using the LoRA's recommended 9 steps ({TINY_LORA}); pass --steps to override" in out
+    assert "8 model calls" in out and f"LoRA {TINY_LORA} x0.8" in out
+    assert recorded["load_dit"]["loras"] == [(lora, 0.8)] and recorded["generate"]["steps"] == 9
     assert (recorded["generate"]["video_shift"], recorded["generate"]["audio_shift"]) == (12.0, 3.0)
 
 
@@ -171,3 +172,20 @@ def test_cli_lora_errors_are_one_line(lora, tmp_path, cache, monkeypatch, capsys
         assert cli.main(generate(tmp_path, "--lora", value)) == 2
         err = capsys.readouterr().err
         assert err.startswith(message) and err.count("\n") == 1, err
+
+
+def test_the_memory_plan_counts_the_lora_fold(tiny, lora):
+    """With a budget, the preflight reads the LoRA against the transformer and adds its largest fold step's device
+    bytes to the transformer phase (the factors themselves stay memory-mapped)."""
+    sources = resolve_model(tiny)
+    request = dict(budget_bytes=8 << 30, width=96, height=64, num_frames=39)
+    base = h3_core.plan_for_budget(sources, **request)
+    with_lora = h3_core.plan_for_budget(sources, loras=[(lora, 1.0)], **request)
+    config = h3_core.resolve_dit_checkpoint(sources.transformer).config
+    fold = LoraFold([(h3_core.read_lora(lora, config), 1.0)])
+    dit = {c.name: c for c in base.components}["transformer"]
+    dit_lora = {c.name: c for c in with_lora.components}["transformer"]
+    assert dit_lora.activation_bytes - dit.activation_bytes == fold.peak_temporary_bytes(torch.bfloat16) > 0
+    assert "LoRA file(s)" in with_lora.describe()
+    with pytest.raises(h3_core.LoraError):
+        h3_core.plan_for_budget(sources, loras=[(lora.parent / "missing.safetensors", 1.0)], **request)

@@ -450,7 +450,7 @@ def test_lora_nodes_chain_on_copies_of_the_handle(pack, recorders, tmp_path):
     assert both.pipeline is base.pipeline and both.settings is base.settings  # nothing reloaded
     assert not base.pipeline._loaded  # and nothing loaded: the sampler applies the set
     texts = [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"]
-    assert texts[0].startswith(f"LoRA {TINY_LORA} x0.5") and "recommends steps 8" in texts[0]  # shown, not set
+    assert texts[0].startswith(f"LoRA {TINY_LORA} x0.5") and "recommends steps 9" in texts[0]  # shown, not set
 
 
 def test_sampling_with_a_lora_differs_and_strength_zero_is_the_base_model(pack):

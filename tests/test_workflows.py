@@ -184,5 +184,5 @@ def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(execu
     handle = result.outputs[lora_node][0]
     (path, strength), = handle.loras
     assert path.name == "h3_tiny_turbo_lora.safetensors" and strength == 1.0
-    assert read_lora(path).recommended == {"steps": sampler["inputs"]["steps"]} == {"steps": 8}
+    assert read_lora(path).recommended == {"steps": sampler["inputs"]["steps"]} == {"steps": 9}
     assert handle.pipeline.component("transformer").loras == handle.loras

@@ -103,7 +103,9 @@ class LoraFile:
     metadata: dict
     updates: dict[str, list[Update]]
     nbytes: int
-    recommended: dict = field(default_factory=dict)  # "steps", "video_shift", "audio_shift" the file's metadata gives
+    # "steps" (sigma grid points, as the pipeline's `steps`: the metadata's sampling steps + 1), "video_shift",
+    # "audio_shift", where the file's metadata recommends them.
+    recommended: dict = field(default_factory=dict)
 
 
 # ---- key vocabulary -------------------------------------------------------------------------------------------------
@@ -209,7 +211,8 @@ def _recommended(metadata: dict, path: Path) -> dict:
                              ("audio_shift", METADATA_AUDIO_SHIFT, float)):
         value = _number(metadata, names, kind, path)
         if value is not None:
-            out[key] = value
+            # A LoRA's "steps" are sampling steps (transformer calls, as ComfyUI counts them); ours are grid points.
+            out[key] = value + 1 if key == "steps" else value
     return out
 
 

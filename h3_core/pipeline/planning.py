@@ -21,7 +21,8 @@ from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
 from ..runtime.chunking import projection_elements_per_row
-from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, fit_budget
+from ..checkpoints.lora_loader import LoraFold, read_lora
+from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, fit_budget, format_bytes
 from ..runtime.platform import Platform
 from .layout import AUDIO_CHANNELS, LatentShape
 
@@ -118,8 +119,11 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
 
 
 def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, height: int, num_frames: int,
-                    dtype: torch.dtype | None = None, chunk_size: int | None = None) -> MemoryPlan:
-    """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`."""
+                    dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=()) -> MemoryPlan:
+    """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`.
+
+    `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
+    memory-mapped, and the device bytes of their largest fold step count with the transformer's activations."""
     if budget_bytes <= 0:
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
     shape = LatentShape.for_request(width, height, num_frames)
@@ -128,8 +132,17 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
     element = 2 if (dtype or torch.bfloat16) in (torch.bfloat16, torch.float16) else 4
-    return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
-                      row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size)
+    notes = []
+    if loras:
+        fold = LoraFold([(read_lora(path, config), float(strength)) for path, strength in loras])
+        fold_bytes = fold.peak_temporary_bytes(dtype or torch.bfloat16)
+        dit.activation_bytes += fold_bytes
+        files = sum(lora.nbytes for lora, _ in fold.loras)
+        notes.append(f"{len(fold.loras)} LoRA file(s), {format_bytes(files)} memory-mapped; their fold adds up to "
+                     f"{format_bytes(fold_bytes)} to the transformer phase")
+    plan = fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
+                      row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes)
+    return plan
 
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
@@ -145,7 +158,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
         if not memory_budget_gb > 0:
             raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
-                               height=height, num_frames=num_frames, chunk_size=chunk_size)
+                               height=height, num_frames=num_frames, chunk_size=chunk_size, loras=loras)
         if log:
             log(plan.describe())
         options = {name: dict(opts) for name, opts in plan.component_options.items()}

@@ -4,7 +4,7 @@ It exists to check an install end to end (CLI, pipeline, ComfyUI nodes) without 
 noise. On first use it is generated deterministically (fixed seeds) into a cache folder in real file layouts — a
 ComfyUI `models/` tree: `diffusion_models/`, `text_encoders/` (an official Qwen3-VL folder with its tokenizer), `vae/`
 — and it is then loaded through the same loaders as real weights. `loras/` holds a tiny random "turbo" LoRA for its
-transformer (original key names, rank 4, metadata recommending 8 steps) for the LoRA surfaces' checks.
+transformer (original key names, rank 4, metadata recommending 8 sampling steps) for the LoRA surfaces' checks.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ TINY_LORA_STEPS = 8
 
 def write_tiny_lora(path: Path) -> Path:
     """A deterministic random rank-4 LoRA of the tiny transformer's attention projections, in the original / ComfyUI
-    key format (`blocks.N.attn.qkv_proj.lora_A.weight` / `lora_B`), its `__metadata__` recommending 8 steps like a
+    key format (`blocks.N.attn.qkv_proj.lora_A.weight` / `lora_B`), its `__metadata__` recommending 8 sampling steps like a
     few-step "turbo" LoRA. Its output is noise, as the model's."""
     generator = torch.Generator().manual_seed(6)
     c = TINY_DIT

@@ -21,7 +21,7 @@ class MemoryBudgetError(H3Error):
     """The request cannot fit the memory budget even with every component streamed."""
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:.1f} MiB"
 
 
@@ -51,24 +51,27 @@ class MemoryPlan:
     components: list[ComponentEstimate]
     component_options: dict = field(default_factory=dict)
     dit_chunk_budget: int | None = None
+    notes: list[str] = field(default_factory=list)  # what else the estimates include (e.g. LoRA fold temporaries)
 
     @property
     def peak_bytes(self) -> int:
         return max(c.device_bytes() for c in self.components)
 
     def describe(self) -> str:
-        lines = [f"memory preflight (budget {_fmt(self.budget_bytes)}):"]
+        lines = [f"memory preflight (budget {format_bytes(self.budget_bytes)}):"]
         for c in self.components:
-            lines.append(f"  {c.name:<13} weights {_fmt(c.total_bytes):>10}  activations {_fmt(c.activation_bytes):>10}"
-                         f"  -> {c.residency:<9} peak {_fmt(c.device_bytes())}")
+            lines.append(f"  {c.name:<13} weights {format_bytes(c.total_bytes):>10}  activations {format_bytes(c.activation_bytes):>10}"
+                         f"  -> {c.residency:<9} peak {format_bytes(c.device_bytes())}")
         if self.dit_chunk_budget is not None:
-            lines.append(f"  transformer chunks sized for {_fmt(self.dit_chunk_budget)} of temporaries")
-        lines.append(f"  estimated peak {_fmt(self.peak_bytes)}")
+            lines.append(f"  transformer chunks sized for {format_bytes(self.dit_chunk_budget)} of temporaries")
+        lines.extend(f"  {note}" for note in self.notes)
+        lines.append(f"  estimated peak {format_bytes(self.peak_bytes)}")
         return "\n".join(lines)
 
 
 def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform: Platform, *,
-               dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None) -> MemoryPlan:
+               dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None,
+               notes: list[str] | None = None) -> MemoryPlan:
     """Choose residency per component and the transformer's chunk budget so that every phase fits `budget_bytes`;
     raise `MemoryBudgetError` with the plan when nothing does.
 
@@ -91,13 +94,13 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
             dit.activation_bytes -= fused_temporaries - min(fused_temporaries, chunk_budget)
     elif chunk_size is not None:
         dit.activation_bytes -= fused_temporaries - min(rows, chunk_size) * row_bytes
-    plan = MemoryPlan(budget_bytes, components, dit_chunk_budget=chunk_budget)
+    plan = MemoryPlan(budget_bytes, components, dit_chunk_budget=chunk_budget, notes=list(notes or []))
     too_big = [c for c in components if c.device_bytes() > budget_bytes]
     if too_big:
         worst = max(too_big, key=lambda c: c.device_bytes())
         raise MemoryBudgetError(
-            f"this request does not fit a {_fmt(budget_bytes)} budget: the {worst.name} phase needs about "
-            f"{_fmt(worst.device_bytes())} even with {'layerwise residency' if worst.streamable else 'the weights'} "
+            f"this request does not fit a {format_bytes(budget_bytes)} budget: the {worst.name} phase needs about "
+            f"{format_bytes(worst.device_bytes())} even with {'layerwise residency' if worst.streamable else 'the weights'} "
             f"and the smallest chunks.\n{plan.describe()}\nUse a smaller size or fewer seconds, or raise the budget."
         )
     options: dict = {}
