@@ -13,7 +13,7 @@ from comfy_api.latest import io, ui
 from h3_core.errors import CheckpointError
 
 from . import comfy_runtime
-from .model_sources import _inside
+from .model_sources import is_inside
 from .sockets import H3Model
 
 LORAS = "loras"
@@ -31,7 +31,7 @@ def lora_path(name: str) -> Path:
             found = folder_paths.get_full_path_or_raise(LORAS, name)
         except FileNotFoundError:
             pass
-    if found is None or not any(_inside(found, root) for root in roots):
+    if found is None or not any(is_inside(found, root) for root in roots):
         raise CheckpointError(f"lora_name: {name!r} is not in ComfyUI's '{LORAS}' folders {roots}; refresh the node "
                               "and pick a file that exists.", path=name)
     return Path(found)

@@ -85,7 +85,7 @@ def _chosen(value: str, what: str, widget: str) -> str:
     return value
 
 
-def _inside(path: str, root: str) -> bool:
+def is_inside(path: str, root: str) -> bool:
     try:
         Path(os.path.abspath(path)).relative_to(os.path.abspath(root))
     except ValueError:
@@ -123,7 +123,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
     if source == COMFY_REPACK:
         def full_path(key: str, value: str, what: str, widget: str) -> Path:
             found = folder_paths.get_full_path(key, _chosen(value, what, widget))
-            if found is not None and not any(_inside(found, root) for root in folder_paths.get_folder_paths(key)):
+            if found is not None and not any(is_inside(found, root) for root in folder_paths.get_folder_paths(key)):
                 found = None  # never a file outside the configured model folders, whatever the ComfyUI version
             if found is None:
                 raise CheckpointError(f"{widget}: {value!r} is not in ComfyUI's '{key}' folders "
