@@ -49,6 +49,9 @@ def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
     placement = pipeline.residency_summary(blocks_of) if blocks_of else None
     if placement is not None:
         report["resident_blocks"], report["total_blocks"] = placement.resident_blocks, placement.total_blocks
+        if placement.lora_files:
+            report.update(lora_files=placement.lora_files, lora_bytes_moved=placement.lora_bytes_moved,
+                          lora_fold_peak_bytes=placement.lora_fold_peak_bytes)
     comfy_runtime.send_memory_report(node_id, report, summary(report))
 
 
@@ -57,4 +60,7 @@ def summary(report: dict) -> str:
     parts = [f"device peak {gib(report['peak_device_bytes'])}", f"host peak {gib(report['peak_host_bytes'])}"]
     if "total_blocks" in report:
         parts.append(f"{report['resident_blocks']}/{report['total_blocks']} blocks resident")
+    if report.get("lora_files"):
+        parts.append(f"{report['lora_files']} LoRA(s): {report['lora_bytes_moved'] / 2**20:.1f} MiB folded in, "
+                     f"fold peak {report['lora_fold_peak_bytes'] / 2**20:.1f} MiB")
     return f"{report['phase']}: " + ", ".join(parts)

@@ -75,6 +75,8 @@ def test_sample_makes_the_transformer_lora_set_equal_to_the_call_s(tiny, lora, m
     with_lora = run(loras=[(str(lora), 1.0)])
     dit = pipe.component("transformer")
     assert dit.loras == ((lora, 1.0),) and len(calls) == 1
+    summary = pipe.residency_summary("transformer")  # what the node telemetry reports
+    assert summary.lora_files == 1 and summary.lora_bytes_moved > 0 and summary.lora_fold_peak_bytes > 0
     assert torch.equal(run(loras=[(lora, 1.0)]).video, with_lora.video) and len(calls) == 1  # already equal: no call
     assert torch.equal(run().video, with_lora.video) and len(calls) == 1  # None keeps the set
     assert not torch.equal(with_lora.video, base.video)

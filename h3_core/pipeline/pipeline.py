@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -65,11 +65,15 @@ class GenerationResult:
 @dataclass(frozen=True)
 class ResidencySummary:
     """Where a loaded component's blocks live: `resident_blocks` of its `total_blocks` stay on the device, the
-    others stream from host memory (`residency` "resident" or "layerwise")."""
+    others stream from host memory (`residency` "resident" or "layerwise"). For the transformer, its LoRAs: files
+    applied, factor bytes the folds have read onto the device so far, and the largest fold step's temporary."""
 
     residency: str
     resident_blocks: int
     total_blocks: int
+    lora_files: int = 0
+    lora_bytes_moved: int = 0
+    lora_fold_peak_bytes: int = 0
 
 
 # The module that runs each component's block loop (it holds the `block_residency`).
@@ -146,7 +150,13 @@ class H3Pipeline:
             return None
         stats = _BLOCK_LOOP[name](self._loaded[name]).block_residency.stats()
         resident = len(stats.resident_blocks)
-        return ResidencySummary(str(stats.residency.value), resident, resident + len(stats.streamed_blocks))
+        summary = ResidencySummary(str(stats.residency.value), resident, resident + len(stats.streamed_blocks))
+        fold = getattr(self._loaded[name], "lora_fold", None)
+        if fold is not None and fold.loras:
+            dtype = self._loaded[name].residual_dtype
+            summary = replace(summary, lora_files=len(fold.loras), lora_bytes_moved=fold.factor_bytes_moved,
+                              lora_fold_peak_bytes=fold.peak_temporary_bytes(dtype))
+        return summary
 
     # -- phases --------------------------------------------------------------------------------------------------
 
