@@ -191,3 +191,27 @@ def test_the_memory_plan_counts_the_lora_fold(tiny, lora):
     assert "LoRA file(s)" in with_lora.describe()
     with pytest.raises(h3_core.LoraError):
         h3_core.plan_for_budget(sources, loras=[(lora.parent / "missing.safetensors", 1.0)], **request)
+
+
+def test_a_lora_file_replaced_on_disk_is_read_again(tiny, lora, tmp_path):
+    """Same name and strength, new file (replaced by rename, as downloads and editors do): the next sample re-reads
+    it instead of keeping the old factors."""
+    import os
+
+    from safetensors.torch import load_file
+
+    path = tmp_path / "mine.safetensors"
+    save_file(load_file(str(lora)), str(path))
+    pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
+    cond = pipe.encode_prompt("a fox", width=64, height=32)
+    first = pipe.sample(cond, SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    doubled = {k: v * 2 for k, v in load_file(str(path)).items()}
+    save_file(doubled, str(tmp_path / "new.safetensors"))
+    os.replace(tmp_path / "new.safetensors", path)
+    second = pipe.sample(cond, SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    assert not torch.equal(first.video, second.video)
+    fresh = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
+    want = fresh.sample(fresh.encode_prompt("a fox", width=64, height=32), SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    assert torch.equal(second.video, want.video)
+    pipe.release_all()
+    fresh.release_all()

@@ -106,6 +106,15 @@ class LoraFile:
     # "steps" (sigma grid points, as the pipeline's `steps`: the metadata's sampling steps + 1), "video_shift",
     # "audio_shift", where the file's metadata recommends them.
     recommended: dict = field(default_factory=dict)
+    identity: tuple = ()  # (device, inode, size, mtime) of the file when it was read
+
+
+def file_identity(path: Path) -> tuple:
+    try:
+        stat = path.stat()
+    except OSError:
+        return ()
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
 
 
 # ---- key vocabulary -------------------------------------------------------------------------------------------------
@@ -305,7 +314,8 @@ def read_lora(source, config: H3DiTConfig | None = None) -> LoraFile:
         if set(parts) - {"down", "up", "alpha", "diff", "diff_b"} or set(parts) == {"alpha"}:
             key = parts.get("alpha") or next(iter(parts.values()))
             raise LoraError(f"{path}: '{key}' belongs to no LoRA pair.", path=path, key=key)
-    lora = LoraFile(path, kind, metadata, updates, sum(file.nbytes(k) for k in keys), _recommended(metadata, path))
+    lora = LoraFile(path, kind, metadata, updates, sum(file.nbytes(k) for k in keys), _recommended(metadata, path),
+                    file_identity(path))
     if config is not None:
         check_against(lora, config)
     return lora
@@ -407,6 +417,17 @@ class LoraFold:
         for name, tensor in tensors.items():
             if name in targets:
                 self.fold(name, tensor)
+
+
+def has_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]]) -> bool:
+    """The model's LoRA set is `loras` already, from files unchanged on disk since they were read."""
+    try:
+        wanted = tuple((Path(path).expanduser(), float(strength)) for path, strength in loras)
+    except (TypeError, ValueError):
+        return False  # not (file, strength) pairs: set_loras says what is wrong
+    fold = model.lora_fold
+    return model.loras == wanted and fold is not None and all(
+        lora.identity == file_identity(lora.path) for lora, _ in fold.loras)
 
 
 def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H3DiT:

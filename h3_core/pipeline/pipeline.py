@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoints.audio_vae_loader import load_audio_vae
 from ..checkpoints.dit_loader import load_dit
-from ..checkpoints.lora_loader import set_loras
+from ..checkpoints.lora_loader import has_loras, set_loras
 from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
@@ -195,13 +195,8 @@ class H3Pipeline:
             condition_latents = [vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
                                  for image in cond.keyframes]
         dit = self.component("transformer")
-        if loras is not None:
-            try:
-                wanted = tuple((Path(path).expanduser(), float(strength)) for path, strength in loras)
-            except (TypeError, ValueError):
-                wanted = None  # set_loras names what is wrong with the entry
-            if wanted is None or tuple(getattr(dit, "loras", ())) != wanted:
-                set_loras(dit, list(loras))
+        if loras is not None and not has_loras(dit, loras):
+            set_loras(dit, list(loras))
         config = dit.config
         if cond.states.shape[-1] != config.text_dim:
             raise H3Error(f"the text encoder gives {cond.states.shape[-1]}-wide states but the transformer expects "
