@@ -425,9 +425,9 @@ def has_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]]) -> bool:
         wanted = tuple((Path(path).expanduser(), float(strength)) for path, strength in loras)
     except (TypeError, ValueError):
         return False  # not (file, strength) pairs: set_loras says what is wrong
-    fold = model.lora_fold
-    return model.loras == wanted and fold is not None and all(
-        lora.identity == file_identity(lora.path) for lora, _ in fold.loras)
+    fold = model.lora_fold  # None: no LoRA was ever set, so `model.loras` is ()
+    return model.loras == wanted and (fold is None or all(
+        lora.identity == file_identity(lora.path) for lora, _ in fold.loras))
 
 
 def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H3DiT:
