@@ -28,7 +28,6 @@ import platform
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 import time
 from pathlib import Path
 

@@ -275,6 +275,21 @@ def test_bad_loras_are_one_clear_error_each(checkpoints, tmp_path):
         h3_core.load_dit(checkpoints["comfy"], loras=[str(good)])
 
 
+def test_any_format_can_be_inspected_without_the_model_but_only_folded_with_it(tmp_path):
+    """The node and the CLI read a LoRA's format and settings before any model loads; DiffSynth's interleaved QKV
+    can only be placed with the model's head count, so such a reading cannot be folded."""
+    from h3_core.checkpoints.lora_loader import LoraFold
+
+    for fmt in FORMATS:
+        lora = h3_core.read_lora(write_lora(tmp_path / f"{fmt}.safetensors", fmt, seed=2))
+        assert lora.updates and not lora.placed
+    assert lora.format == "peft (diffusers names)"
+    assert h3_core.read_lora(tmp_path / "DiffSynth.safetensors").format == "DiffSynth-Studio"
+    with pytest.raises(LoraError, match="read without the model's config"):
+        LoraFold([(lora, 1.0)])
+    assert h3_core.read_lora(tmp_path / "DiffSynth.safetensors", CONFIG).placed
+
+
 def test_recommended_settings_come_from_the_metadata(tmp_path):
     path = tmp_path / "turbo.safetensors"
     save_file(original_state(1), str(path), metadata={"steps": "8", "video_shift": "5.0"})

@@ -105,6 +105,7 @@ class LoraFile:
     # "audio_shift", where the file's metadata recommends them.
     recommended: dict = field(default_factory=dict)
     identity: tuple = ()  # (device, inode, size, mtime) of the file when it was read
+    placed: bool = False  # updates in the model's row order (read with its config): only then can it be folded
 
 
 def file_identity(path: Path) -> tuple:
@@ -236,14 +237,15 @@ def _network_alpha(metadata: dict, path: Path) -> float | None:
         if config.get("alpha_pattern") or config.get("rank_pattern"):
             raise LoraError(f"{path}: per-module alpha_pattern / rank_pattern in lora_adapter_metadata are not "
                             "supported; save the LoRA with per-module '.alpha' tensors instead.", path=path)
-        if "lora_alpha" in config and "r" in config:
-            return float(config["lora_alpha"]) * 1.0
+        if "lora_alpha" in config:
+            return float(config["lora_alpha"])
     return None
 
 
-def read_lora(source, config: H3DiTConfig | None = None) -> LoraFile:
-    """Read and check a LoRA file (memory-mapped). With the model's `config`, every update is checked against the
-    shapes of the parameter it changes; without one (e.g. to read the recommended settings) only the keys are."""
+def read_lora(source, config: H3DiTConfig | None = None, shapes: dict | None = None) -> LoraFile:
+    """Read and check a LoRA file (memory-mapped). With the model's `config` (and its parameter `shapes`, if known)
+    every update is placed in the model's row order and checked against the parameter it changes: only such a file
+    can be folded. Without one (to read the format and the recommended settings) only the keys are checked."""
     path = Path(source).expanduser()
     if not path.is_file():
         raise LoraError(f"{path}: no such LoRA file.", path=path)
@@ -290,8 +292,9 @@ def read_lora(source, config: H3DiTConfig | None = None) -> LoraFile:
             for needed in ("down", "up"):
                 if needed not in parts:
                     have = next(iter(parts.values()))
-                    raise LoraError(f"{path}: '{have}' has no matching {'lora_A / lora_down' if needed == 'down' else 'lora_B / lora_up'} "
-                                    "tensor; the pair is incomplete.", path=path, key=have)
+                    half = "lora_A / lora_down" if needed == "down" else "lora_B / lora_up"
+                    raise LoraError(f"{path}: '{have}' has no matching {half} tensor; the pair is incomplete.",
+                                    path=path, key=have)
             down, up = file.tensor(parts["down"]), file.tensor(parts["up"])
             if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
                 raise LoraError(f"{path}: '{parts['up']}' {list(up.shape)} and '{parts['down']}' {list(down.shape)} are "
@@ -309,13 +312,12 @@ def read_lora(source, config: H3DiTConfig | None = None) -> LoraFile:
             if diff in parts:
                 updates.setdefault(target + suffix, []).append(_placed(Update(file.tensor(parts[diff]), None), part,
                                                                       False, config))
-        if set(parts) - {"down", "up", "alpha", "diff", "diff_b"} or set(parts) == {"alpha"}:
-            key = parts.get("alpha") or next(iter(parts.values()))
-            raise LoraError(f"{path}: '{key}' belongs to no LoRA pair.", path=path, key=key)
+        if set(parts) == {"alpha"}:
+            raise LoraError(f"{path}: '{parts['alpha']}' belongs to no LoRA pair.", path=path, key=parts["alpha"])
     lora = LoraFile(path, kind, metadata, updates, sum(file.nbytes(k) for k in keys), _recommended(metadata, path),
-                    file_identity(path))
+                    file_identity(path), placed=config is not None)
     if config is not None:
-        check_against(lora, config)
+        check_against(lora, config, shapes)
     return lora
 
 
@@ -328,10 +330,7 @@ def _placed(update: Update, part, interleaved: bool, config: H3DiTConfig | None)
         half = rows // 2
         order = torch.cat((torch.arange(half, rows), torch.arange(half)))
         return Update(update.up, update.down, update.scale, None, order)
-    if interleaved:
-        if config is None:
-            raise LoraError("a DiffSynth-Studio LoRA needs the model's head count to be read; apply it to a loaded "
-                            "transformer.")
+    if interleaved and config is not None:  # without the model's head count the file is only inspected
         heads, head_dim = config.num_attention_heads, config.attention_head_dim
         order = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim).transpose(0, 1).reshape(-1)
         return Update(update.up, update.down, update.scale, None, order)
@@ -378,6 +377,12 @@ class LoraFold:
     loras: list[tuple[LoraFile, float]]
     folds: int = 0  # updates added so far
     factor_bytes_moved: int = 0  # LoRA factor bytes read onto the device by those folds
+
+    def __post_init__(self):
+        unplaced = [str(lora.path) for lora, _ in self.loras if not lora.placed]
+        if unplaced:
+            raise LoraError(f"{unplaced[0]}: read without the model's config, so its rows are not placed; read it "
+                            "with read_lora(path, model.config).")
 
     def targets(self) -> set[str]:
         return {name for lora, strength in self.loras if strength != 0 for name in lora.updates}
@@ -442,9 +447,7 @@ def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H
             raise LoraError(f"LoRAs are (file, strength) pairs, got {entry!r}.") from None
         if not math.isfinite(strength):
             raise LoraError(f"{source}: LoRA strength must be a finite number, got {strength}.")
-        lora = read_lora(source, model.config)
-        check_against(lora, model.config, shapes)
-        applied.append((lora, strength))
+        applied.append((read_lora(source, model.config, shapes), strength))
     fold = LoraFold(applied)
     previous = getattr(model, "lora_fold", None)
     touched = fold.targets() | (previous.targets() if previous is not None else set())

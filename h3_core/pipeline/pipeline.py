@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Callable
 
 import torch

@@ -29,7 +29,7 @@ class PassStats:
 
 @dataclass
 class ResidencyStats:
-    residency: Residency
+    residency: str  # a `Residency` (a str enum; residency.py imports this module, not the other way)
     passes: int
     last_pass: PassStats | None
     current: PassStats
