@@ -68,8 +68,8 @@ class H3StreamLoader(io.ComfyNode):
                                                 diffusion_model=diffusion_model, text_encoder=text_encoder,
                                                 video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id)
         pipeline = H3Pipeline(sources, device=torch_device, dtype=settings.torch_dtype,
-                              component_options=settings.component_options(),
-                              keep_text_encoder=settings.keep_text_encoder, log=log.info)
+                              component_options=settings.component_options(), **settings.keep_options(),
+                              log=log.info)
         described = f"H3 {partition} from {source}: {settings.describe()}"
         log.info(described)
         return io.NodeOutput(H3ModelHandle(pipeline, settings, described))

@@ -60,10 +60,21 @@ class MemorySettings:
     def memory_budget_bytes(self) -> int | None:
         return self.memory_budget_mib * MIB if self.memory_budget_mib > 0 else None
 
+    def keeps(self, component: str) -> bool:
+        """What "keep" means in ComfyUI, where the graph caches the H3_MODEL handle (the pipeline) across prompts:
+        a RESIDENT component stays loaded through every phase and prompt (the user gave it the device memory); a
+        LAYERWISE_OFFLOAD one is released, device copies and host store, when a phase that does not run it starts
+        (the text encoder right after encoding) and loaded again from its files when the handle next needs it."""
+        return not self.offloaded(component)
+
     @property
     def keep_text_encoder(self) -> bool:
         """An offloaded text encoder is released right after encoding, before the transformer loads."""
-        return not self.offloaded("text_encoder")
+        return self.keeps("text_encoder")
+
+    def keep_options(self) -> dict[str, bool]:
+        """The pipeline's `keep_*` keyword arguments."""
+        return {f"keep_{name}": self.keeps(name) for name in COMPONENTS}
 
     def component_options(self) -> dict[str, dict]:
         """Keyword arguments of each component's h3_core loader. Only settings that differ from the loaders' defaults

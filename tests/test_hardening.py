@@ -142,7 +142,7 @@ class Stop(Exception):
 
 
 def streamed_pipeline(tiny):
-    pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True,
+    pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True, keep_transformer=True,  # the same model each run
                       component_options={"transformer": {"residency": "layerwise", "prefetch": 1}})
     return pipe, pipe.component("transformer")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..components import COMPONENTS
 from ..errors import H3Error
 from ..runtime.platform import Platform, peak_rss_bytes
 from .layout import FPS, align_num_frames, frames_for_seconds
@@ -104,7 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: layerwise on Apple MPS, resident elsewhere)")
     g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP of the transformer and text encoder "
                         "(default: fused)")
-    g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size")
+    g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size and "
+                        "prints what each phase holds (refused, naming the phase, when one does not fit)")
+    g.add_argument("--keep", action="append", default=[], choices=COMPONENTS, metavar="COMPONENT",
+                   help="keep this component loaded through every phase (repeat for several; one of "
+                        f"{', '.join(COMPONENTS)}). By default each phase releases what it does not run: the video "
+                        "VAE after the keyframes, the transformer before decoding; --keep video_vae saves reloading "
+                        "it for the decode, and --memory-budget counts kept components in every phase")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps")
     g.add_argument("--dtype", choices=tuple(DTYPES), default="auto", help="auto keeps the checkpoint's dtypes")
     g.add_argument("--lora", action="append", default=[], metavar="FILE[:STRENGTH]",
@@ -199,9 +206,10 @@ def generate(args, say=print) -> list[Path]:
 
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
                               memory_budget_gb=args.memory_budget, width=width, height=height,
-                              num_frames=num_frames, loras=loras, log=say)
+                              num_frames=num_frames, loras=loras, keep=args.keep,
+                              keyframes=args.first_frame is not None or args.last_frame is not None, log=say)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
-                          log=say)
+                          log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
         f"seed {args.seed}" + "".join(f", LoRA {path.name} x{strength:g}" for path, strength in loras))
     try:

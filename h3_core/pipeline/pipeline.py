@@ -1,7 +1,9 @@
 """End-to-end generation: prompt (+ keyframes) -> text encoder -> packed sampling loop -> video and audio VAEs.
 
-Components are loaded lazily, one phase at a time, and the text encoder is released before sampling unless asked to
-stay, so peak memory is that of the largest phase rather than the sum of all four components.
+Components are loaded lazily, one phase at a time (`planning.PHASES`: text encode, keyframe encode, sampling, video
+decode, audio decode). When a phase starts, every loaded component it does not run is released unless the pipeline
+keeps it (`keep_*`), and the text encoder goes as soon as it has encoded: the keyframe encoder (the video VAE) before
+sampling, the transformer before decoding. Peak memory is that of the largest phase, not the sum of the components.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .keyframes import pil_to_frames, prepare_keyframes
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
 from .media import audio_samples_for_frames
+from .planning import PHASES
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)
 from .sources import ModelSources, safetensors_files
@@ -84,14 +87,21 @@ class H3Pipeline:
     """Holds the model sources and the memory settings; loads each component when its phase needs it.
 
     `component_options` maps a component name ("transformer", "text_encoder", "video_vae", "audio_vae") to extra
-    keyword arguments of its loader (residency, chunk size, ...). `keep_text_encoder=False` releases the text
-    encoder after each prompt.
+    keyword arguments of its loader (residency, chunk size, ...).
+
+    Phases hold only what they need: when a phase starts, the loaded components it does not run are released (and
+    loaded again from their files when a later phase needs them); the text encoder is released right after each
+    prompt. `keep_text_encoder`, `keep_transformer`, `keep_video_vae` and `keep_audio_vae` keep that component
+    loaded through every phase once loaded (until `release` / `release_all`): faster for repeated runs, and counted
+    in every phase by the memory plan (`plan_for_budget(keep=...)`).
     """
 
     COMPONENTS = COMPONENTS
+    PHASES = PHASES
 
     def __init__(self, sources: ModelSources, *, device="cpu", dtype: torch.dtype | None = None,
                  component_options: dict | None = None, keep_text_encoder: bool = False,
+                 keep_transformer: bool = False, keep_video_vae: bool = False, keep_audio_vae: bool = False,
                  log: Callable[[str], None] | None = None):
         self.sources = sources
         self.device = torch.device(device)
@@ -101,6 +111,9 @@ class H3Pipeline:
         if unknown:
             raise H3Error(f"unknown component(s) {sorted(unknown)} in component_options; use {self.COMPONENTS}.")
         self.keep_text_encoder = keep_text_encoder
+        self.keep_transformer = keep_transformer
+        self.keep_video_vae = keep_video_vae
+        self.keep_audio_vae = keep_audio_vae
         self.log = log or (lambda message: None)
         self._loaded: dict[str, object] = {}
 
@@ -141,6 +154,27 @@ class H3Pipeline:
         for name in list(self._loaded):
             self.release(name)
 
+    @property
+    def loaded(self) -> tuple[str, ...]:
+        """The components loaded now, in phase order."""
+        return tuple(name for name in self.COMPONENTS if name in self._loaded)
+
+    @property
+    def kept(self) -> frozenset[str]:
+        """The components kept loaded across phases (the `keep_*` options)."""
+        return frozenset(name for name in self.COMPONENTS if getattr(self, f"keep_{name}"))
+
+    def enter_phase(self, phase: str) -> None:
+        """Start `phase` (one of `PHASES`): release every loaded component it does not run, unless kept."""
+        runs = dict(self.PHASES).get(phase)
+        if runs is None:
+            raise H3Error(f"unknown phase {phase!r}; use one of {[name for name, _ in self.PHASES]}.")
+        kept = self.kept
+        for name in self.loaded:
+            if name != runs and name not in kept:
+                self.log(f"{phase}: releasing {name} (not kept)")
+                self.release(name)
+
     def residency_summary(self, name: str) -> ResidencySummary | None:
         """The block placement of a loaded component; None when it is not loaded (nothing is loaded here)."""
         if name not in self.COMPONENTS:
@@ -165,6 +199,7 @@ class H3Pipeline:
             raise H3Error(f"prompt must be a string, got {type(prompt).__name__}.")
         anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
         keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
+        self.enter_phase("text encode")
         encoder = self.component("text_encoder")
         tokens = len(encoder.tokenizer.tokenize(prompt))
         if tokens > MAX_PROMPT_TOKENS:
@@ -188,11 +223,8 @@ class H3Pipeline:
         `loras` ((file, strength), ...) becomes the transformer's LoRA set before sampling (`set_loras`, no reload;
         `()` is the base model) and stays until another call changes it; None keeps the set the model has."""
         schedule = Schedule.build(steps, video_shift, audio_shift)
-        condition_latents = []
-        if cond.keyframes:
-            vae = self.component("video_vae")
-            condition_latents = [vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
-                                 for image in cond.keyframes]
+        condition_latents = self.encode_keyframes(cond)
+        self.enter_phase("sampling")
         dit = self.component("transformer")
         if loras is not None and not has_loras(dit, loras):
             set_loras(dit, list(loras))
@@ -215,6 +247,15 @@ class H3Pipeline:
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape)
 
+    def encode_keyframes(self, cond: Conditioning) -> list[torch.Tensor]:
+        """The keyframe-encode phase: the video VAE's latent [1, 24, 1, H/16, W/16] of each keyframe, on the CPU
+        (none without keyframes, and then the phase does not run). `sample` calls it."""
+        if not cond.keyframes:
+            return []
+        self.enter_phase("keyframe encode")
+        vae = self.component("video_vae")
+        return [vae.encode(pil_to_frames(image).to(self.device)).float().cpu() for image in cond.keyframes]
+
     @staticmethod
     def _chunking(dit, chunk_size, between_chunks) -> ChunkingPolicy | None:
         """This call's chunking: the transformer's policy with the call's overrides (None when there are none)."""
@@ -227,6 +268,7 @@ class H3Pipeline:
 
     def decode_video(self, latents: Latents) -> torch.Tensor:
         """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause."""
+        self.enter_phase("video decode")
         frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
         if not torch.isfinite(frames).all():
             raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding")
@@ -234,6 +276,7 @@ class H3Pipeline:
 
     def decode_audio(self, latents: Latents) -> torch.Tensor:
         """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length."""
+        self.enter_phase("audio decode")
         waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
         if not torch.isfinite(waveform).all():
             raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding")

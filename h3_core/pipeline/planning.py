@@ -3,8 +3,9 @@ headers before anything is allocated; `runtime.memory_plan` then picks residency
 refuses with the numbers.
 
 Estimates, not allocator traces: weights are exact (header sizes), activations are counted from the tensors each
-phase keeps alive. Phases run one after the other (text encoder, then sampling, then decoding) and the text encoder is
-released before sampling, so the peak is that of the largest phase.
+phase keeps alive. Phases (`PHASES`) run one after the other and each holds only its own component unless the caller
+keeps others loaded (`keep`), so the plan checks every phase's sum: its component's weights, host store, staging ring
+and activations, plus the weights, stores and rings of every kept component.
 """
 
 from __future__ import annotations
@@ -22,12 +23,16 @@ from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
 from ..runtime.chunking import projection_elements_per_row
 from ..checkpoints.lora_loader import LoraFold, read_lora
-from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, fit_budget, format_bytes
+from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, fit_budget, format_bytes
 from ..runtime.platform import Platform
 from .layout import AUDIO_CHANNELS, LatentShape
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
+# The phases of one generation, in order, and the component each one runs. The pipeline releases, when a phase
+# starts, every loaded component the phase does not run unless it is kept; the plan sums what each phase holds.
+PHASES = (("text encode", "text_encoder"), ("keyframe encode", "video_vae"), ("sampling", "transformer"),
+          ("video decode", "video_vae"), ("audio decode", "audio_vae"))
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -118,14 +123,41 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
     return out
 
 
+def _keyframe_activations(video_source, shape: LatentShape) -> int:
+    """Encoding one keyframe (they are encoded one at a time): its pixels twice (as given and normalised) and one
+    encoder tile (256 px, or the image when smaller) at the first level's width over the causal convolution's 3
+    padded frames, about 6 such tensors."""
+    c = resolve_video_vae_checkpoint(video_source).config
+    tile = min(256, shape.height) * min(256, shape.width)
+    return 2 * shape.height * shape.width * 3 * 4 + 6 * 3 * tile * c.block_out_channels[0] * 4
+
+
+def check_keep(keep) -> tuple[str, ...]:
+    """The components to keep loaded through every phase, checked against `COMPONENTS`."""
+    keep = tuple(keep)
+    unknown = sorted(set(keep) - set(COMPONENTS))
+    if unknown:
+        raise H3Error(f"unknown component(s) {unknown} to keep; use {list(COMPONENTS)}.")
+    return keep
+
+
 def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, height: int, num_frames: int,
-                    dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=()) -> MemoryPlan:
-    """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`.
+                    dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=(), keep=(),
+                    keyframes: bool = False, staging_read_ahead: int | None = None,
+                    host_budget_bytes: int | None = None) -> MemoryPlan:
+    """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
+    naming the phase over budget and its biggest items.
+
+    `keep` names components the pipeline keeps loaded (its `keep_*` options): they count in every phase.
+    `keyframes`: the request has first / last keyframes, so the keyframe-encode phase runs. `staging_read_ahead`:
+    the layerwise staging ring's read-ahead (None: no ring); `host_budget_bytes`: on a discrete device (CUDA), the
+    host memory the stores and rings may take (None: reported, not checked). See `runtime.memory_plan.fit_budget`.
 
     `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
     memory-mapped, and the device bytes of their largest fold step count with the transformer's activations."""
     if budget_bytes <= 0:
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
+    keep = check_keep(keep)
     shape = LatentShape.for_request(width, height, num_frames)
     dit, config, rows = _dit_estimate(sources.transformer, shape, dtype)
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer)
@@ -140,15 +172,20 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
         files = sum(lora.nbytes for lora, _ in fold.loras)
         notes.append(f"{len(fold.loras)} LoRA file(s), {format_bytes(files)} memory-mapped; their fold adds up to "
                      f"{format_bytes(fold_bytes)} to the transformer phase")
-    plan = fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
-                      row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes)
-    return plan
+    phases = [PhaseSpec(name, component,
+                        _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None)
+              for name, component in PHASES if keyframes or name != "keyframe encode"]
+    return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
+                      row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes,
+                      phases=phases, keep=keep, staging_read_ahead=staging_read_ahead,
+                      host_budget_bytes=host_budget_bytes)
 
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
-                    loras=(), log: Callable[[str], None] | None = None) -> dict:
-    """Loader options per component from the user's settings; with a memory budget, the preflight decides.
+                    loras=(), keep=(), keyframes: bool = False, log: Callable[[str], None] | None = None) -> dict:
+    """Loader options per component from the user's settings; with a memory budget, the preflight decides (its
+    per-phase breakdown goes to `log`), counting the components in `keep` in every phase.
 
     `residency` applies to all four components: "resident", "layerwise", or "auto" (layerwise on Apple MPS, where the
     admission rules require it for every component; resident elsewhere). `loras` ((file, strength), ...) go to the
@@ -158,7 +195,8 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
         if not memory_budget_gb > 0:
             raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
-                               height=height, num_frames=num_frames, chunk_size=chunk_size, loras=loras)
+                               height=height, num_frames=num_frames, chunk_size=chunk_size, loras=loras,
+                               keep=keep, keyframes=keyframes)
         if log:
             log(plan.describe())
         options = {name: dict(opts) for name, opts in plan.component_options.items()}
