@@ -344,6 +344,39 @@ def test_offloaded_text_encoder_is_released_before_sampling_and_resident_one_kep
     assert len(loaded) == 1 and loaded[0]() is not None
 
 
+def test_offloaded_components_are_released_by_the_next_phase_and_resident_ones_kept(pack, monkeypatch):
+    """In ComfyUI the graph keeps the H3_MODEL handle across prompts: a RESIDENT component stays loaded, a
+    LAYERWISE_OFFLOAD one (here the keyframe encoder and the transformer) is released when a phase that does not run
+    it starts and loaded again from its files when next needed."""
+    import h3_core
+
+    loads = {"load_dit": [], "load_video_vae": []}
+    for loader, refs in loads.items():
+        real = getattr(h3_core.pipeline.pipeline, loader)
+        monkeypatch.setattr(h3_core.pipeline.pipeline, loader,
+                            lambda *a, _real=real, _refs=refs, **kw: _refs.append(weakref.ref(m := _real(*a, **kw)))
+                            or m)
+    MemorySettings = comfy_double.pack_module("nodes.memory_settings").MemorySettings
+    for residency, kept in (("LAYERWISE_OFFLOAD", False), ("RESIDENT", True)):
+        for refs in loads.values():
+            refs.clear()
+        handle = load(pack, transformer_residency=residency, video_vae_residency=residency)
+        assert handle.pipeline.kept == ({"transformer", "video_vae", "audio_vae"} if kept else {"audio_vae"})
+        assert MemorySettings.build(transformer=residency, text_encoder="RESIDENT", video_vae=residency,
+                                    audio_vae="RESIDENT").keep_options()["keep_transformer"] == kept
+        cond = encode(pack, handle, first_frame=torch.rand(1, 40, 50, 3))
+        latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+        gc.collect()
+        assert (loads["load_video_vae"][0]() is not None) == kept  # the keyframe encoder, during sampling
+        run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
+        gc.collect()
+        assert (loads["load_dit"][0]() is not None) == kept  # the transformer, during decoding
+        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "seed": 8})
+        # Released: loaded again (the video VAE that decoded is still there for the next keyframe encode).
+        assert (len(loads["load_dit"]), len(loads["load_video_vae"])) == ((1, 1) if kept else (2, 2))
+        handle.pipeline.release_all()
+
+
 def test_cancel_stops_within_one_transformer_block(pack, recorders):
     """Cancel pressed while block 0 of the first step computes: the next block never starts (without the per-block
     check the whole step would finish first). The check comes off and the next run is unaffected."""

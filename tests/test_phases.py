@@ -1,0 +1,243 @@
+"""Phases hold only what they need (a census of live components at every phase boundary), the keep options keep
+them, and the memory plan checks each phase's sum of what coexists in it."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from PIL import Image
+
+import h3_core.pipeline.pipeline as pipeline_module
+from h3_core.pipeline import H3Pipeline, plan_for_budget, resolve_model
+from h3_core.pipeline.planning import PHASES
+from h3_core.pipeline.tiny_default import ensure_tiny_model
+from h3_core.runtime.memory_plan import (ComponentEstimate, MemoryBudgetError, PhaseSpec, fit_budget,
+                                         phase_estimates)
+from h3_core.runtime.platform import Platform
+
+REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
+LOADERS = {"text_encoder": "load_text_encoder", "transformer": "load_dit", "video_vae": "load_video_vae",
+           "audio_vae": "load_audio_vae"}
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return ensure_tiny_model(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def sources(tiny):
+    return resolve_model(tiny)
+
+
+@pytest.fixture
+def census(monkeypatch):
+    """Every model object the pipeline loads, by weak reference; `census.live()` is the set of components whose
+    loaded objects are still alive (after a collection), `census.loads` the number of loads per component, and
+    `census.boundaries` (phase's component, live components) recorded when a phase asks for its component."""
+
+    class Census:
+        refs: list = []
+        loads: dict = {}
+        boundaries: list = []
+
+        def live(self):
+            gc.collect()
+            return {name for name, ref in self.refs if ref() is not None}
+
+    tracked = Census()
+    for name, loader in LOADERS.items():
+        real = getattr(pipeline_module, loader)
+
+        def counting(*args, _name=name, _real=real, **kwargs):
+            model = _real(*args, **kwargs)
+            tracked.refs.append((_name, weakref.ref(model)))
+            tracked.loads[_name] = tracked.loads.get(_name, 0) + 1
+            return model
+
+        monkeypatch.setattr(pipeline_module, loader, counting)
+    real_component = H3Pipeline.component
+
+    def component(self, name):
+        tracked.boundaries.append((name, frozenset(tracked.live())))
+        return real_component(self, name)
+
+    monkeypatch.setattr(H3Pipeline, "component", component)
+    return tracked
+
+
+def keyframe():
+    return Image.new("RGB", (80, 60), (200, 40, 10))
+
+
+def test_every_phase_holds_only_its_own_component(sources, census):
+    pipe = H3Pipeline(sources)
+    pipe.generate("a fox", first_frame=keyframe(), **REQUEST)
+    # text encode, keyframe encode, sampling, video decode, audio decode: nothing else alive when each starts.
+    assert [name for name, _ in census.boundaries] == [component for _, component in PHASES]
+    assert all(live == frozenset() for _, live in census.boundaries), census.boundaries
+    assert pipe.loaded == ("audio_vae",) and census.live() == {"audio_vae"}
+    census.boundaries.clear()
+    pipe.generate("a fox", **REQUEST)  # the next prompt's text encode releases the audio VAE; no keyframe phase
+    assert census.boundaries == [(c, frozenset()) for c in ("text_encoder", "transformer", "video_vae", "audio_vae")]
+    assert census.loads == {"text_encoder": 2, "video_vae": 3, "transformer": 2, "audio_vae": 2}
+    pipe.release_all()
+    assert census.live() == set() and pipe.loaded == ()
+
+
+def test_keep_options_keep_their_components_through_every_phase(sources, census):
+    pipe = H3Pipeline(sources, keep_transformer=True, keep_video_vae=True)
+    assert pipe.kept == {"transformer", "video_vae"}
+    pipe.generate("a fox", first_frame=keyframe(), **REQUEST)
+    assert census.boundaries == [
+        ("text_encoder", frozenset()),
+        ("video_vae", frozenset()),  # the text encoder is gone right after encoding
+        ("transformer", {"video_vae"}),  # the kept keyframe encoder stays through sampling
+        ("video_vae", {"video_vae", "transformer"}),  # the kept transformer stays through decoding
+        ("audio_vae", {"video_vae", "transformer"}),
+    ]
+    pipe.generate("a fox", first_frame=keyframe(), **REQUEST)
+    assert census.loads == {"text_encoder": 2, "video_vae": 1, "transformer": 1, "audio_vae": 2}
+    assert census.live() == {"video_vae", "transformer", "audio_vae"}
+    pipe.release_all()
+    assert census.live() == set()
+
+
+def test_phases_release_at_their_start_and_log_it(sources, census):
+    """Repeated sampling reuses the transformer (nothing between the calls needs the memory); decoding starts by
+    releasing it, and says so."""
+    logged = []
+    pipe = H3Pipeline(sources, log=logged.append)
+    from h3_core.pipeline.layout import LatentShape
+
+    cond = pipe.encode_prompt("a fox", width=64, height=64)
+    shape = LatentShape.for_request(64, 64, 5)
+    latents = pipe.sample(cond, shape, steps=3, seed=1)
+    pipe.sample(cond, shape, steps=3, seed=2)
+    assert census.loads["transformer"] == 1 and pipe.residency_summary("transformer") is not None
+    pipe.decode_video(latents)
+    assert "video decode: releasing transformer (not kept)" in logged
+    assert pipe.loaded == ("video_vae",) and census.live() == {"video_vae"}
+    with pytest.raises(Exception, match="unknown phase 'decode'"):
+        pipe.enter_phase("decode")
+    pipe.release_all()
+
+
+# ---- the plan: per-phase sums ---------------------------------------------------------------------------------------
+
+
+def estimate(name, total, activations, *, unit=0, fixed=None, streamable=False):
+    return ComponentEstimate(name, total, unit, total if fixed is None else fixed, activations, streamable)
+
+
+def fit(components, budget, *, device="cpu", **options):
+    dit = components[0]
+    return fit_budget(components, budget, Platform.for_device(device), dit=dit, rows=0, row_bytes=1,
+                      chunk_size=None, **options)
+
+
+def test_each_component_fits_alone_but_a_phase_with_a_kept_one_does_not():
+    phases = [PhaseSpec("sampling", "transformer"), PhaseSpec("video decode", "video_vae")]
+    components = lambda: [estimate("transformer", 60 * MiB, 10 * MiB),  # noqa: E731
+                          estimate("video_vae", 30 * MiB, 20 * MiB)]
+    plan = fit(components(), 80 * MiB, phases=phases)  # alone: 70 and 50 MiB
+    assert [(p.name, p.total_bytes) for p in plan.phases] == [("sampling", 70 * MiB), ("video decode", 50 * MiB)]
+    assert plan.peak_bytes == 70 * MiB and plan.peak_phase.name == "sampling"
+    with pytest.raises(MemoryBudgetError) as info:
+        fit(components(), 80 * MiB, phases=phases, keep=["transformer"])  # decode: 50 + 60 MiB of kept weights
+    message = str(info.value)
+    first = message.splitlines()[0]
+    assert "the video decode phase needs about 0.11 GiB" in first
+    assert "transformer weights (kept) 60.0 MiB" in first and "video_vae activations 20.0 MiB" in first
+    assert "do not keep transformer" in message and "raise the budget" in message
+    assert "per phase" in message  # the breakdown comes with the refusal
+
+
+def test_an_over_budget_phase_streams_its_largest_streamable_component():
+    phases = [PhaseSpec("text encode", "text_encoder"), PhaseSpec("sampling", "transformer")]
+    components = [estimate("transformer", 40 * MiB, 5 * MiB),
+                  estimate("text_encoder", 64 * MiB, 1 * MiB, unit=4 * MiB, fixed=8 * MiB, streamable=True)]
+    plan = fit(components, 60 * MiB, phases=phases, keep=["text_encoder"])
+    # Sampling holds the kept text encoder: 45 + 64 MiB resident, 45 + 12 MiB once it streams.
+    assert plan.component_options["text_encoder"] == {"residency": "layerwise"}
+    assert plan.phase("sampling").total_bytes == 57 * MiB and plan.peak_bytes <= 60 * MiB
+
+
+def test_host_store_and_staging_rings_are_items_of_every_phase_they_live_in():
+    phases = [PhaseSpec("sampling", "transformer"), PhaseSpec("audio decode", "audio_vae")]
+    dit = estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)
+    audio = estimate("audio_vae", 4 * MiB, 1 * MiB)
+    dit.residency = "layerwise"
+    dit.prefetch = 1
+    (sampling, decode), = [phase_estimates([dit, audio], phases, keep=["transformer"], copying_store=True,
+                                           staging_read_ahead=2, pinned_ring=True)]
+    items = {i.label: i.nbytes for i in sampling.items}
+    assert items == {"transformer weights": 40 * MiB, "transformer activations": 2 * MiB,
+                     "transformer host store": 80 * MiB, "transformer staging": 30 * MiB,
+                     "transformer pinned staging": 30 * MiB}
+    assert sampling.device_bytes == 42 * MiB and sampling.host_bytes == 140 * MiB
+    assert {i.label for i in decode.items if i.kept} == {"transformer weights (kept)", "transformer host store (kept)",
+                                                          "transformer staging (kept)",
+                                                          "transformer pinned staging (kept)"}
+    # On the CPU the store holds memory maps (no copy) and one budget covers the staging ring too.
+    cpu = fit([estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)],
+              60 * MiB, staging_read_ahead=1)
+    assert {i.label: i.nbytes for i in cpu.phases[0].items} == {
+        "transformer weights": 30 * MiB, "transformer activations": 2 * MiB, "transformer staging": 20 * MiB}
+    assert cpu.shared_memory and cpu.peak_bytes == 52 * MiB
+
+
+def test_on_a_discrete_device_host_items_count_against_the_host_budget():
+    def components():
+        return [estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)]
+
+    plan = fit(components(), 60 * MiB, device="cuda")  # resident 102 MiB does not fit: it streams, 2 slots
+    assert plan.peak_bytes == 42 * MiB and plan.host_peak_bytes == 80 * MiB and not plan.shared_memory
+    assert "host budget not checked" in plan.describe()
+    with pytest.raises(MemoryBudgetError, match=r"fit a 64.0 MiB host budget: the transformer phase needs about "
+                                                r"100.0 MiB of host memory.*transformer host store 80.0 MiB"):
+        fit(components(), 60 * MiB, device="cuda", host_budget_bytes=64 * MiB, staging_read_ahead=0)
+
+
+def test_plan_for_budget_prints_each_phase_and_refuses_a_kept_component_that_breaks_one(sources):
+    request = dict(width=96, height=64, num_frames=39)
+    plan = plan_for_budget(sources, budget_bytes=1 << 30, keyframes=True, **request)
+    assert [p.name for p in plan.phases] == [name for name, _ in PHASES]
+    assert [p.name for p in plan_for_budget(sources, budget_bytes=1 << 30, **request).phases] == [
+        "text encode", "sampling", "video decode", "audio decode"]  # no keyframes: no keyframe phase
+    text = plan.describe()
+    assert "per phase" in text and all(f"    {name} " in text for name, _ in PHASES)
+    for phase in plan.phases:
+        assert phase.total_bytes == sum(i.nbytes for i in phase.items) and {i.component for i in phase.items} == {
+            phase.component}
+    alone = plan.peak_bytes  # the largest phase holding one component
+    kept = plan_for_budget(sources, budget_bytes=1 << 30, keep=["text_encoder"], **request)
+    assert all("text_encoder" in p.components for p in kept.phases) and kept.peak_bytes > alone + (1 << 20)
+    with pytest.raises(MemoryBudgetError) as info:
+        plan_for_budget(sources, budget_bytes=alone + (1 << 20), keep=["text_encoder"], **request)
+    first = str(info.value).splitlines()[0]
+    assert f"the {kept.peak_phase.name} phase needs about" in first and "text_encoder weights (kept)" in first
+    assert "do not keep text_encoder" in str(info.value)
+    with pytest.raises(Exception, match=r"unknown component\(s\) \['vae'\] to keep"):
+        plan_for_budget(sources, budget_bytes=1 << 30, keep=["vae"], **request)
+
+
+def test_cli_keep_reaches_the_plan_and_the_pipeline(tiny, monkeypatch, capsys, tmp_path):
+    from h3_core.pipeline import cli
+
+    monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))
+    seen = []
+    real = H3Pipeline.generate
+    monkeypatch.setattr(H3Pipeline, "generate", lambda self, *a, **kw: seen.append(self.kept) or real(self, *a, **kw))
+    assert cli.main(["generate", "x", "--frames", "5", "--size", "64x64", "--steps", "2", "--keep", "video_vae",
+                     "--memory-budget", "1", "--out", str(tmp_path / "o.mp4")]) == 0
+    out = capsys.readouterr().out
+    assert seen == [{"video_vae"}]
+    assert "per phase" in out and "video_vae weights (kept)" in out
+    assert "video decode: releasing transformer (not kept)" in out
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "x", "--keep", "vae"])
+    assert "invalid choice: 'vae'" in capsys.readouterr().err
