@@ -23,7 +23,7 @@ from .models.text_encoder import TextEncoder
 from .models.tokenizer import H3Tokenizer
 from .pipeline.layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
 from .pipeline.planning import plan_for_budget
-from .pipeline.sampler import Schedule, euler_step, initial_noise, row_timesteps, sigma_schedule
+from .pipeline.sampler import Schedule, denoise, euler_step, initial_noise, row_timesteps, sigma_schedule
 from .pipeline.tiny_default import ensure_tiny_model
 from .runtime.admission import AdmissionError, ComponentPlan, check_admission
 from .runtime.block_hooks import BlockHooks
@@ -64,6 +64,7 @@ __all__ = [
     "build_packed_layout",
     "check_admission",
     "chunk_rows_for_budget",
+    "denoise",
     "ensure_tiny_model",
     "euler_step",
     "frames_for_seconds",

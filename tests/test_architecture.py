@@ -215,8 +215,8 @@ PUBLIC_NAMES = (
     "AdmissionError AllResident BlockHooks BlockResidency CheckpointError ComponentPlan ChunkingBackend ChunkingError "
     "ChunkingPolicy EveryNChunks H3DiT H3DiTConfig H3Error H3Tokenizer LatentShape LayerwiseOffloadManager "
     "LoraError PackedLayout PhaseScopedWeights PickleCheckpointError Platform Residency ResidencyError Schedule TextEncoder "
-    "build_packed_layout check_admission chunk_rows_for_budget ensure_tiny_model euler_step frames_for_seconds "
-    "initial_noise layerwise_manager load_audio_vae load_dit load_text_encoder load_video_vae patchify "
+    "build_packed_layout check_admission chunk_rows_for_budget denoise ensure_tiny_model euler_step "
+    "frames_for_seconds initial_noise layerwise_manager load_audio_vae load_dit load_text_encoder load_video_vae patchify "
     "plan_for_budget read_lora resolve_dit_checkpoint row_timesteps set_loras sigma_schedule unpatchify"
 ).split()
 

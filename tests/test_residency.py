@@ -58,6 +58,15 @@ def is_materialised(module: nn.Module) -> bool:
     return all(p.numel() > 1 for p in module.parameters())
 
 
+def body_materialised(block: nn.Module) -> bool:
+    """A block's weights but its AdaLN projection (which the loader streams as a unit of its own)."""
+    return all(p.numel() > 1 for name, p in block.named_parameters() if not name.startswith("adaln_proj."))
+
+
+def adaln_bytes(model, index):
+    return sum(p.numel() * p.element_size() for p in model.blocks[index].adaln_proj.parameters())
+
+
 def block_bytes(model, index):
     return sum(p.numel() * p.element_size() for p in model.blocks[index].parameters())
 
@@ -77,7 +86,9 @@ class ResidencyProbe:
 
     def observe(self, running):
         manager = self.model.block_residency
-        bound = {j for j, b in enumerate(self.model.blocks) if is_materialised(b)}
+        bound = {j for j, b in enumerate(self.model.blocks) if body_materialised(b)}
+        if self.model.adaln_streamed_apart:  # projected before the block is fetched, released at once
+            assert not any(is_materialised(b.adaln_proj) for b in self.model.blocks)
         if self.kind == "sync":
             loaded = self.census.live()
         else:  # fixed slots: bound weights must lie inside the slots allocated at attach, which never move
@@ -132,8 +143,10 @@ def test_offloaded_equals_resident_bitwise_with_bounded_residency(checkpoints, i
             assert stats.peak_streamed_blocks == min(prefetch + 1, len(streamed))
             assert stats.host_store_bytes == sum(unit_bytes(i) for i in range(N))
     if kind == "sync":  # one block's file bytes per streamed block: the QKV permutation is applied on the device
-        plain = random_dit(SMALL)
-        assert [unit_bytes(i) for i in range(N)] == [block_bytes(plain, i) for i in range(N)]
+        plain = random_dit(SMALL)  # (the AdaLN projection is a unit of its own)
+        assert [unit_bytes(i) for i in range(N)] == [block_bytes(plain, i) - adaln_bytes(plain, i) for i in range(N)]
+        assert [model.adaln_residency.store.unit_bytes(i) for i in range(N)] == [adaln_bytes(plain, i)
+                                                                                  for i in range(N)]
     assert manager.stats().passes == 3
     assert len(probe.observations) == 3 * N
     for running, bound, loaded, text_live in probe.observations:
@@ -144,7 +157,7 @@ def test_offloaded_equals_resident_bitwise_with_bounded_residency(checkpoints, i
             assert not text_live  # phase-scoped: the text weights were released after the refiner ran
     assert max(len(loaded) for _, _, loaded, _ in probe.observations) == min(prefetch + 1, len(streamed))
     # After a pass the resident blocks stay bound; only the slot backend keeps the next pass's head loaded.
-    assert {j for j, b in enumerate(model.blocks) if is_materialised(b)} == pinned
+    assert {j for j, b in enumerate(model.blocks) if body_materialised(b)} == pinned
     assert set(manager.resident_set()) == pinned | set(head)
     if kind == "sync":
         assert probe.census.live() == set()
@@ -180,9 +193,15 @@ def test_attach_binds_one_shared_placeholder_per_dtype(checkpoints):
     assert model.block_residency.resident_set() == frozenset({0, 1})
     plain = random_dit(SMALL)
     for i in (0, 1):
-        assert [p.shape for p in model.blocks[i].parameters()] == [p.shape for p in plain.blocks[i].parameters()]
-    # All float32: one one-element placeholder for the streamed blocks, one for the phase-scoped text weights.
-    assert len({p.data_ptr() for i in range(2, N) for p in model.blocks[i].parameters()}) == 1
+        body = [n for n, _ in plain.blocks[i].named_parameters() if not n.startswith("adaln_proj.")]
+        assert [model.blocks[i].get_parameter(n).shape for n in body] == [plain.blocks[i].get_parameter(n).shape
+                                                                          for n in body]
+        assert body_materialised(model.blocks[i]) and not is_materialised(model.blocks[i].adaln_proj)
+    # All float32: one one-element placeholder for the streamed blocks, one for every AdaLN projection (streamed
+    # apart, also those of the resident blocks), one for the phase-scoped text weights.
+    assert len({p.data_ptr() for i in range(2, N) for n, p in model.blocks[i].named_parameters()
+                if not n.startswith("adaln_proj.")}) == 1
+    assert len({p.data_ptr() for b in model.blocks for p in b.adaln_proj.parameters()}) == 1
     assert len({p.data_ptr() for p in [*model.token_refiner.parameters(), *model.condition_proj.parameters()]}) == 1
     for i in range(2, N):
         assert all(p.numel() == 1 and p.dtype == torch.float32 for p in model.blocks[i].parameters())
@@ -191,7 +210,8 @@ def test_attach_binds_one_shared_placeholder_per_dtype(checkpoints):
     # The host store is the memory map itself: its bytes are the streamed blocks' file bytes, nothing copied.
     stats = model.block_residency.stats()
     assert stats.store == "held_tensors" and stats.pinned_bytes == 0
-    assert stats.host_store_bytes == sum(block_bytes(plain, i) for i in range(N))
+    assert stats.host_store_bytes == sum(block_bytes(plain, i) - adaln_bytes(plain, i) for i in range(N))
+    assert model.adaln_residency.stats().host_store_bytes == sum(adaln_bytes(plain, i) for i in range(N))
 
 
 def test_text_phase_is_materialised_only_while_the_refiner_runs(checkpoints, inputs):
@@ -226,7 +246,7 @@ def test_exception_inside_a_block_leaves_the_manager_usable(checkpoints, inputs,
         assert manager.stats().last_pass.aborted
         assert manager.materialised_streamed() == []
         assert SlotState.IN_USE not in manager._slots.states
-        assert {j for j, b in enumerate(model.blocks) if is_materialised(b)} == {0}
+        assert {j for j, b in enumerate(model.blocks) if body_materialised(b)} == {0}
         for _ in range(2):
             assert same_outputs(model(**inputs), reference)
         assert not manager.stats().last_pass.aborted
@@ -265,6 +285,8 @@ def test_close_gives_a_loaded_model_its_host_tensors(checkpoints, inputs, refere
         model(**inputs)
     model.block_residency.close()
     model.block_residency = AllResident(N)
+    model.adaln_residency.close()
+    model.adaln_residency = AllResident(N)
     model.weight_phases.close()
     assert all(is_materialised(b) for b in model.blocks) and is_materialised(model.token_refiner)
     with torch.no_grad():

@@ -30,7 +30,7 @@ from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinte
                          not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader,
                          swap_halves)
 from .lora_loader import set_loras
-from .placement import attach_layerwise, residency_manager, set_tensor
+from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."
@@ -253,6 +253,8 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     QKV de-interleave at load; pinned slabs on CUDA) and materialises at most `prefetch + 1` of them on the device
     during a forward (`prefetch` default 0, 1 on CUDA); `resident_blocks` (the first N, or indices) stay on the
     device; the text refiner and condition projection are materialised only for the text phase of each forward.
+    Each block's AdaLN projection is streamed apart (`model.adaln_residency`: one unit at a time, never kept on the
+    device): `h3_core.denoise` reads its outputs from a plan built once per run; a plain forward fetches it per block.
 
     `loras=[(file, strength), ...]` applies LoRAs (every published H3 format, see `lora_loader`): folded into each
     block when it is materialised, into resident weights once; `h3_core.set_loras(model, ...)` changes them later.
@@ -284,9 +286,13 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)
     if layerwise:
         blocks = [(f"blocks.{i}.",) for i in range(len(model.blocks))]
+        # Each block's AdaLN projection is a unit of its own (~39 % of the weights): the sampling loop reads its
+        # outputs from an AdaLN plan built in one pass before the first step, so it never fetches these units.
+        adaln = companion_manager(manager)
         model.block_residency, model.weight_phases = attach_layerwise(
             model, {n: r for n, r in recipes.items() if _offloaded(n)}, manager, blocks=blocks, phases=PHASE_SCOPED,
-            device=device)
+            device=device, split=(adaln, [(f"blocks.{i}.adaln_proj.",) for i in range(len(model.blocks))]))
+        model.adaln_residency = adaln
     model.weight_recipes = {name: r for name, r in recipes.items() if name in dict(model.named_parameters())}
     model.eval()
     model.chunking = chunking

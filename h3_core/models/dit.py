@@ -23,6 +23,7 @@ from ..runtime.chunking import FUSED, ChunkingPolicy, RowChunks
 from .dit_config import NUM_MODALITIES, NUM_MODULATIONS, H3DiTConfig
 from ..errors import H3Error
 from ..runtime.phase_scoped import PhaseScopedWeights
+from ..runtime.platform import Platform
 from ..runtime.residency import AllResident
 
 
@@ -238,10 +239,16 @@ class TransformerBlock(nn.Module):
 
     def modulation(self, time_act: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate (attention), shift, scale, gate (MLP): each `[3M, hidden]`, row `3m + tag`."""
-        return self.adaln_proj(time_act).view(-1, NUM_MODULATIONS * self.hidden_size).chunk(6, -1)
+        return self.split_table(self.adaln_proj(time_act))
 
-    def forward(self, x, time_act, adaln_index, rope, chunks: RowChunks = FUSED):
-        modulation = self.modulation(time_act)
+    def split_table(self, table: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This block's AdaLN table `[M, 6 * 3 * hidden]` (the projection's output) -> the six modulations."""
+        return table.view(-1, NUM_MODULATIONS * self.hidden_size).chunk(6, -1)
+
+    def forward(self, x, time_act, adaln_index, rope, chunks: RowChunks = FUSED, *, table: torch.Tensor | None = None):
+        """`table`: this block's AdaLN table for this call, computed beforehand (an `AdaLNPlan`'s, or by the caller
+        that streams the projection on its own); None projects `time_act` here."""
+        modulation = self.modulation(time_act) if table is None else self.split_table(table)
         out = self.attention_residual(x, modulation, adaln_index, rope, chunks)
         return self.mlp_residual_(out, modulation, adaln_index, chunks)
 
@@ -337,6 +344,58 @@ def out_of_memory_error(exc: BaseException, rows: int, chunk_size: int | None) -
 
 
 
+class AdaLNPlan:
+    """Every block's AdaLN table for each distinct timestep set of a sampling run, kept on the host.
+
+    The modulation depends only on a call's distinct timesteps, all known before the first step: `H3DiT.adaln_plan`
+    runs each block's projection once per planned call, in one pass over the blocks, with that call's own input (the
+    same `[M, time_embed_dim]` tensor, hence the same GEMM shape M as the per-step forward: bitwise the same rows; a
+    GEMM's kernel choice, so its rounding, depends on M). `tables[i]` is block i's `[R, adaln_out]` host tensor holding
+    the rows of every planned call one after the other; `call(timestep)` gives the `AdaLNCall` a forward takes as
+    `modulation=`, which copies block i's rows to the device as the block runs.
+    """
+
+    def __init__(self, keys: list[tuple[float, ...]], tables: list[torch.Tensor], non_blocking: bool = False):
+        self.keys = tuple(keys)
+        self.tables = tables
+        self.non_blocking = non_blocking  # pinned tables: the copies are queued behind the running work
+        self.offsets = {}
+        start = 0
+        for key in self.keys:
+            self.offsets[key] = (start, len(key))
+            start += len(key)
+
+    @staticmethod
+    def key(timestep: torch.Tensor) -> tuple[float, ...]:
+        """The plan key of a call's distinct timesteps `[M]` (its exact float32 values)."""
+        return tuple(timestep.detach().to("cpu", torch.float32).reshape(-1).tolist())
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes of every table (num_layers x planned rows x adaln_out x element size)."""
+        return sum(t.numel() * t.element_size() for t in self.tables)
+
+    def call(self, timestep: torch.Tensor) -> "AdaLNCall":
+        """The tables of the call whose distinct timesteps are `timestep` (a CPU tensor: no device sync)."""
+        key = self.key(timestep)
+        if key not in self.offsets:
+            raise H3Error(f"the AdaLN plan has no call with timesteps {list(key)}; build it with the timesteps of "
+                          "every call of the run (`model.adaln_plan([...])`).")
+        return AdaLNCall(self, *self.offsets[key])
+
+
+class AdaLNCall:
+    """One call's view of an `AdaLNPlan`: rows `[start, start + rows)` of every block's table."""
+
+    def __init__(self, plan: AdaLNPlan, start: int, rows: int):
+        self.plan, self.start, self.rows = plan, start, rows
+
+    def table(self, index: int, device: torch.device | str) -> torch.Tensor:
+        """Block `index`'s table `[M, adaln_out]` on `device` (no copy when the device is the host)."""
+        rows = self.plan.tables[index][self.start : self.start + self.rows]
+        return rows.to(device, non_blocking=self.plan.non_blocking)
+
+
 class H3DiT(nn.Module):
     """The H3 transformer. Call it like `diffusers.MiniMaxH3Transformer3DModel` with `return_dict=False`."""
 
@@ -355,6 +414,10 @@ class H3DiT(nn.Module):
         # Where the block weights and the phase-scoped weights (phase "text": condition_proj + token_refiner) live
         # while the forward runs; load_dit(residency="layerwise") replaces both (see residency.py).
         self.block_residency = AllResident(c.num_layers)
+        # load_dit(residency="layerwise") streams each block's AdaLN projection (`blocks.N.adaln_proj.`) as a unit of
+        # its own: a forward given an AdaLN plan (`modulation=`) never materialises it. Resident (the default): the
+        # projection belongs to its block's weights, wherever `block_residency` keeps them.
+        self.adaln_residency = AllResident(c.num_layers)
         self.weight_phases = PhaseScopedWeights()
         # The default chunking of every forward; a call may pass its own (`forward(..., chunking=)`).
         self.chunking = ChunkingPolicy()
@@ -368,16 +431,25 @@ class H3DiT(nn.Module):
         """Give streamed weights back to their host store (restoring the original parameters); the model is then
         fully resident on the host store's device."""
         self.block_residency.close()
+        self.adaln_residency.close()
         self.weight_phases.close()
 
     def streamed_parameter_names(self) -> frozenset[str]:
-        """Parameters a residency materialises (streamed blocks, kept blocks, phase-scoped weights)."""
-        return self.block_residency.managed_parameters() | self.weight_phases.managed_parameters()
+        """Parameters a residency materialises (streamed blocks and AdaLN projections, kept blocks, phase-scoped
+        weights)."""
+        return (self.block_residency.managed_parameters() | self.adaln_residency.managed_parameters()
+                | self.weight_phases.managed_parameters())
 
     def set_weight_transform(self, transform) -> None:
         """`transform(tensors)` edits streamed weights in place each time they are materialised (a LoRA fold)."""
         self.block_residency.set_transform(transform)
+        self.adaln_residency.set_transform(transform)
         self.weight_phases.set_transform(transform)
+
+    @property
+    def adaln_streamed_apart(self) -> bool:
+        """The AdaLN projections are streamed as units of their own (`adaln_residency`), not with their blocks."""
+        return not isinstance(self.adaln_residency, AllResident)
 
     def configure_chunking(self, chunk_size: int | None = None, memory_budget: int | None = None,
                            between_chunks=None) -> None:
@@ -423,23 +495,91 @@ class H3DiT(nn.Module):
         if timestep.ndim != 1:
             raise ValueError(f"timestep must be 1-D (the distinct timesteps), got shape {tuple(timestep.shape)}.")
 
+    def _check_precomputed(self, encoder_hidden_states, timestep, refined_text, modulation) -> None:
+        if refined_text is not None:
+            want = (*encoder_hidden_states.shape[:2], self.config.hidden_size)
+            if tuple(refined_text.shape) != want:
+                raise ValueError(f"refined_text must be {want} (refine_text(encoder_hidden_states)), got "
+                                 f"{tuple(refined_text.shape)}.")
+        if modulation is not None and modulation.rows != timestep.shape[0]:
+            raise ValueError(f"modulation holds the tables of {modulation.rows} timesteps but this call has "
+                             f"{timestep.shape[0]}; pass `plan.call(timestep)` for this call's timesteps.")
+
     def embed_time(self, timestep: torch.Tensor) -> torch.Tensor:
         """Distinct timesteps `[M]` -> the AdaLN input `silu(t_emb)`, kept float32 (each table casts it itself)."""
         return F.silu(self.time_embedder(timestep))
 
+    def refine_text(self, encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+        """Text states `[B, L, text_dim]` -> the refined text rows `[B, L, hidden]` every call of a request packs
+        (condition projection + token refiner; their weights materialised for this phase only). Pass the result as
+        `forward(..., refined_text=)` to skip recomputing it at every step."""
+        with self.weight_phases.phase("text"):
+            return self.token_refiner(self.condition_proj(encoder_hidden_states.to(self.condition_proj.weight.dtype)))
+
+    def adaln_plan(self, timesteps_per_call, *, before_block: Callable[[int], None] | None = None) -> AdaLNPlan:
+        """The `AdaLNPlan` of a run whose calls get the distinct timesteps `timesteps_per_call` (each `[M]`, as the
+        forward gets them; calls with equal timesteps share their rows), in one pass over the blocks.
+
+        Only the AdaLN projections are materialised (`adaln_residency`; a residency streaming whole blocks streams
+        them whole); LoRAs folded into them apply. The tables are on the host, page-locked where copies to the device
+        are asynchronous. `before_block(i)` is called before block i's projection is fetched.
+        """
+        keys, inputs = [], []
+        device = self.time_embedder.proj_in.weight.device
+        for timestep in timesteps_per_call:
+            key = AdaLNPlan.key(timestep)
+            if key not in keys:
+                keys.append(key)
+                inputs.append(timestep)
+        rows = sum(len(key) for key in keys)
+        platform = Platform.for_device(device)
+        pin = platform.asynchronous_copies
+        residency = self.adaln_residency if self.adaln_streamed_apart else self.block_residency
+        tables = []
+        with torch.no_grad():
+            time_acts = [self.embed_time(t.to(device)) for t in inputs]  # the forward's `time_act`, call by call
+            residency.begin_pass()
+            try:
+                for i, block in enumerate(self.blocks):
+                    if before_block is not None:
+                        before_block(i)
+                    residency.acquire(i)
+                    table, start = None, 0
+                    for time_act in time_acts:
+                        out = block.adaln_proj(time_act)
+                        if table is None:
+                            table = torch.empty((rows, out.shape[-1]), dtype=out.dtype, pin_memory=pin)
+                        table[start : start + out.shape[0]].copy_(out)
+                        start += out.shape[0]
+                    residency.release(i)
+                    tables.append(table)
+            finally:
+                residency.end_pass()
+        return AdaLNPlan(keys, tables, non_blocking=pin)
+
+    def adaln_plan_bytes(self, timesteps_per_call) -> int:
+        """Host bytes `adaln_plan(timesteps_per_call)` takes, without building it."""
+        rows = sum(len(key) for key in dict.fromkeys(AdaLNPlan.key(t) for t in timesteps_per_call))
+        projection = self.blocks[0].adaln_proj.linear
+        return len(self.blocks) * rows * projection.out_features * projection.weight.element_size()
+
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
                 token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False, *,
-                chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None):
-        """The diffusers call, plus two options of this call only: `chunking` (default: the model's `chunking`) and
-        `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check)."""
+                chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None,
+                refined_text: torch.Tensor | None = None, modulation: AdaLNCall | None = None):
+        """The diffusers call, plus options of this call only: `chunking` (default: the model's `chunking`),
+        `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check), and the
+        step-invariant work done beforehand: `refined_text` (`refine_text(encoder_hidden_states)`, then the text
+        refiner does not run) and `modulation` (this call's `AdaLNPlan.call(timestep)`, then no AdaLN projection
+        runs or is materialised). Both give bitwise the outputs of the call without them."""
         self._check_inputs(hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
                            token_tags, position_ids, video_indices, audio_indices, text_indices)
+        self._check_precomputed(encoder_hidden_states, timestep, refined_text, modulation)
         rows = position_ids.shape[0]
         rope = self.rope(position_ids)
 
         # Input projections; the fp32 islands run on fp32 rows and are rounded to the residual dtype afterwards.
-        with self.weight_phases.phase("text"):
-            text = self.token_refiner(self.condition_proj(encoder_hidden_states.to(self.condition_proj.weight.dtype)))
+        text = self.refine_text(encoder_hidden_states) if refined_text is None else refined_text
         video = self.video_patch_proj(hidden_states.to(self.video_patch_proj.weight.dtype))
         audio = self.audio_patch_proj(audio_hidden_states.to(self.audio_patch_proj.weight.dtype))
         x = text.new_zeros((text.shape[0], rows, text.shape[-1]))
@@ -451,18 +591,30 @@ class H3DiT(nn.Module):
         time_act = self.embed_time(timestep)
         adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
         chunks = (chunking or self.chunking).plan(rows, self.config, batch=x.shape[0], dtype=x.dtype, device=x.device)
-        residency = self.block_residency
-        residency.begin_pass()
+        residency, adaln = self.block_residency, self.adaln_residency
+        # The AdaLN projections streamed apart are fetched only when this call projects its own tables.
+        apart = modulation is None and self.adaln_streamed_apart
+        passes = (residency, adaln) if apart else (residency,)
+        for r in passes:
+            r.begin_pass()
         try:
             for i, block in enumerate(self.blocks):
                 if before_block is not None:
                     before_block(i)  # e.g. the caller's interrupt check, between blocks
+                table = None
+                if modulation is not None:
+                    table = modulation.table(i, x.device)
+                elif apart:
+                    adaln.acquire(i)
+                    table = block.adaln_proj(time_act)
+                    adaln.release(i)
                 residency.acquire(i)  # block i on the device (and the next `prefetch` on their way)
-                x = block(x, time_act, adaln_index, rope, chunks)
+                x = block(x, time_act, adaln_index, rope, chunks, table=table)
                 residency.release(i)
         except torch.OutOfMemoryError as exc:
             raise out_of_memory_error(exc, rows, chunks.size) from None
         finally:
-            residency.end_pass()  # also after an exception in a block: the next forward starts clean
+            for r in passes:
+                r.end_pass()  # also after an exception in a block: the next forward starts clean
 
         return self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)

@@ -117,11 +117,12 @@ class Interrupted(H3Error):
 class DenoiseResult:
     video_rows: torch.Tensor  # target video rows [Tv*h*w, C*4], float32
     audio_rows: torch.Tensor  # target audio rows [2*Ta, C_a], float32
+    step_cache_bytes: int = 0  # host bytes of the run's AdaLN plan (0 without the step cache)
 
 
 def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
             audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, progress=None,
-            check_interrupt=None, chunking=None) -> DenoiseResult:
+            check_interrupt=None, chunking=None, step_cache: bool = True) -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
@@ -129,11 +130,17 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
     to stop (it is also passed to the model as `before_block`: interruption is honoured within one block).
     `chunking` (a `ChunkingPolicy`) is this run's row chunking; None keeps the model's. Neither changes the model.
+
+    `step_cache` (default on) does the step-invariant work once, before the first step: the refined text
+    (`model.refine_text`) and every block's AdaLN tables for every call's timesteps (`model.adaln_plan`, host memory,
+    `DenoiseResult.step_cache_bytes`), so no step runs or fetches the text refiner or an AdaLN projection. Built per
+    call, so it always has the model's current LoRAs. The outputs are bitwise those of `step_cache=False`.
     """
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
+    before_block = None
     if check_interrupt is not None:
-        kwargs["before_block"] = lambda index: check_interrupt()
+        before_block = kwargs["before_block"] = lambda index: check_interrupt()
     if chunking is not None:
         kwargs["chunking"] = chunking
     text = text_states[None].to(device)
@@ -141,14 +148,24 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     audio = audio_rows.to(device, torch.float32).clone()
     nc = int(num_condition_video_rows)
     total = schedule.num_model_calls
+    calls = [row_timesteps(layout, float(schedule.video_timesteps[i]), float(schedule.audio_timesteps[i]))
+             for i in range(total)]
     if progress is not None:
         progress(0, total)
+    plan = None
     with torch.no_grad():
+        if step_cache:
+            if check_interrupt is not None:
+                check_interrupt()
+            kwargs["refined_text"] = model.refine_text(text)
+            plan = model.adaln_plan([timestep for timestep, _ in calls], before_block=before_block)
         for i in range(total):
             if check_interrupt is not None:
                 check_interrupt()
             t_video, t_audio = schedule.video_timesteps[i], schedule.audio_timesteps[i]
-            timestep, timestep_indices = row_timesteps(layout, float(t_video), float(t_audio))
+            timestep, timestep_indices = calls[i]
+            if plan is not None:
+                kwargs["modulation"] = plan.call(timestep)
             v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
                                      timestep_indices.to(device), **kwargs)
             if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
@@ -159,7 +176,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                                schedule.audio_sigmas[i + 1])
             if progress is not None:
                 progress(i + 1, total)
-    return DenoiseResult(video[nc:], audio)
+    return DenoiseResult(video[nc:], audio, plan.host_bytes if plan is not None else 0)
 
 
 def non_finite_error(component: str, checkpoint_files, where: str) -> H3Error:
