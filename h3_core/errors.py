@@ -23,5 +23,9 @@ class CheckpointError(H3Error):
         self.key = key
 
 
+class ResidencyError(H3Error):
+    """A residency setting or call is invalid; the message names the value and the fix."""
+
+
 class PickleCheckpointError(CheckpointError):
     """A pickle-based checkpoint (.ckpt/.pt/.bin/...) was given; only safetensors are ever read."""

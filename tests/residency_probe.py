@@ -20,11 +20,26 @@ def is_materialised(parameters) -> bool:
 
 class MaterialisationCensus:
     """Which units of `store` have device tensors alive; wraps `store.materialise` (the synchronous backend's only
-    way to make device tensors)."""
+    way to make device tensors from held tensors) and, for a staged store whose staging buffers are the device
+    memory (the CPU), `take` / `give_back` (a unit is alive from the take of its buffer to its return)."""
 
     def __init__(self, store):
         self.refs = []
+        self.lent: dict[int, int] = {}  # staging buffer -> unit
         make = store.materialise
+        if getattr(store, "hand_over", False):
+            take, give_back = store.take, store.give_back
+
+            def taken(unit):
+                staged = take(unit)
+                self.lent[staged.index] = unit
+                return staged
+
+            def given_back(staged, after=None):
+                self.lent.pop(staged.index, None)
+                return give_back(staged, after)
+
+            store.take, store.give_back = taken, given_back
 
         def materialise(unit, device):
             tensors = make(unit, device)
@@ -35,7 +50,7 @@ class MaterialisationCensus:
 
     def live(self) -> set[int]:
         self.refs = [(u, r) for u, r in self.refs if not r.expired()]
-        return {u for u, _ in self.refs}
+        return {u for u, _ in self.refs} | set(self.lent.values())
 
 
 class UnitProbe:

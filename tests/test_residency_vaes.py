@@ -215,8 +215,8 @@ def test_video_store_is_the_fp16_memory_map_upcast_when_a_block_is_materialised(
     file = SafetensorsFile(video_file)
     block_keys = [k for k in file.keys() if k.startswith("decoder.transformer_blocks.")]
     stats = manager.stats()
-    assert stats.store == "held_tensors" and stats.pinned_bytes == 0
-    # The store holds the file's fp16 bytes; a materialised block is float32, twice as large.
+    assert stats.store == "staged_reads" and stats.pinned_bytes == 0
+    # The store reads the file's fp16 bytes; a materialised block is float32, twice as large.
     assert stats.host_store_bytes == sum(file.nbytes(k) for k in block_keys)
     assert sum(manager.store.unit_bytes(i) for i in range(VIDEO_BLOCKS)) == 2 * stats.host_store_bytes
     seen = []

@@ -153,11 +153,28 @@ def deinterleave_rows(heads: int, head_dim: int):
     def combine(tensor: torch.Tensor) -> torch.Tensor:
         rest = tensor.shape[1:]
         return tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
+
+    def into(target: torch.Tensor, tensor: torch.Tensor) -> None:
+        # One strided copy (casting on the way) straight into the destination: no full-size temporaries.
+        rest = tensor.shape[1:]
+        target.view(3, heads, head_dim, *rest).copy_(tensor.reshape(heads, 3, head_dim, *rest).transpose(0, 1))
+
+    combine.into = into  # a pure rearrangement: stores may write it in place, casting as they copy
     return combine
 
 
 def cat_rows(*tensors: torch.Tensor) -> torch.Tensor:
     return torch.cat(tensors, dim=0)
+
+
+def _cat_rows_into(target: torch.Tensor, *tensors: torch.Tensor) -> None:
+    start = 0
+    for tensor in tensors:
+        target[start: start + tensor.shape[0]].copy_(tensor)
+        start += tensor.shape[0]
+
+
+cat_rows.into = _cat_rows_into
 
 
 def swap_halves(tensor: torch.Tensor) -> torch.Tensor:

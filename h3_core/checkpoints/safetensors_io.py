@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError, PickleCheckpointError
+from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 
@@ -57,7 +58,10 @@ class SafetensorsFile:
         refuse_pickle(self.path)
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such file.", path=self.path)
-        self.file_size = self.path.stat().st_size
+        stat = self.path.stat()
+        self.file_size = stat.st_size
+        # What the file was when its header was read: streamed reads check it is still that file.
+        self.identity = FileIdentity.of_stat(stat)
         if self.file_size < 8:
             raise CheckpointError(
                 f"{self.path}: {self.file_size} bytes is too small to be a safetensors file (empty or truncated "
@@ -153,7 +157,8 @@ class SafetensorsFile:
         offset = self._data_start + begin
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize == 0:
-            return torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+            view = torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+            return tag_segment(view, FileSegment(str(self.path), offset, self.nbytes(key), self.identity))
         # Unaligned tensor (possible with a hand-written file): the only case that copies.
         raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (self.nbytes(key),))
         return raw.clone().view(dtype).reshape(shape)

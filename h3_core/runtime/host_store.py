@@ -10,6 +10,9 @@ made from, and materialises them on a device on request. Two stores:
   page-locked in place at its exact size while a `PinBudget` allows, pageable past it; the CUDA store, so a block
   moves with one asynchronous DMA.
 
+All stores implement `HostStore`. A third, `StagedReads` (staged_store.py), reads units made from checkpoint files
+explicitly, ahead of use, into a ring of staging buffers: the store of streamed blocks on every backend.
+
 A parameter's recipe (`HostTensor`) may combine several checkpoint tensors or permute rows (the native fused QKV
 is stored per-head interleaved); the recipe runs when the parameter is materialised, so nothing is copied at load.
 """
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
+
+from .file_reads import changed_file_error, mapped_file_problem, segment_of
 
 # Every tensor of a slab starts on this boundary: covers the 16/32-byte base-pointer contracts of fused kernels.
 SLAB_ALIGNMENT = 256
@@ -85,6 +90,30 @@ def _itemsize(dtype: torch.dtype) -> int:
 UnitRecipes = Mapping[str, HostTensor]
 
 
+class HostStore(Protocol):
+    """What every host store offers the layerwise manager and its backends."""
+
+    kind: str
+
+    def __len__(self) -> int: ...
+
+    def names(self, unit: int) -> list[str]: ...
+
+    def unit_bytes(self, unit: int) -> int: ...  # bytes of the unit as materialised
+
+    @property
+    def host_bytes(self) -> int: ...  # bytes of the host storages the units are made from
+
+    @property
+    def pinned_bytes(self) -> int: ...
+
+    def materialise(self, unit: int, device: torch.device) -> dict[str, torch.Tensor]: ...  # fresh device tensors
+
+    def original(self, unit: int, name: str) -> torch.Tensor: ...  # the parameter's host tensor, to restore it
+
+    def close(self) -> None: ...
+
+
 # ---- held tensors ------------------------------------------------------------------------------------------------
 
 
@@ -95,6 +124,9 @@ class HeldTensors:
 
     def __init__(self, recipes: Sequence[UnitRecipes]):
         self._recipes = [dict(r) for r in recipes]
+        # The files each unit is mapped from: checked before a unit's pages are touched (a truncated map SIGBUSes).
+        self._files = [{(seg.path, seg.identity) for r in unit.values() for s in r.sources
+                        if (seg := segment_of(s)) is not None} for unit in self._recipes]
 
     def __len__(self) -> int:
         return len(self._recipes)
@@ -120,6 +152,10 @@ class HeldTensors:
         return 0
 
     def materialise(self, unit: int, device: torch.device) -> dict[str, torch.Tensor]:
+        for path, identity in self._files[unit]:
+            why = mapped_file_problem(path, identity)
+            if why is not None:
+                raise changed_file_error(path, why)
         return {name: r.materialise(device) for name, r in self._recipes[unit].items()}
 
     def original(self, unit: int, name: str) -> torch.Tensor:
@@ -127,6 +163,7 @@ class HeldTensors:
 
     def close(self) -> None:
         self._recipes = [{} for _ in self._recipes]
+        self._files = [set() for _ in self._recipes]
 
 
 # ---- pinned slab -------------------------------------------------------------------------------------------------
@@ -197,6 +234,15 @@ class PinBudget:
         self.used_bytes = 0
 
     @classmethod
+    def shared(cls) -> "PinBudget":
+        """The one budget of this process (40 % of RAM), drawn on by every component's store: pins of the text
+        encoder and of the transformer add up, so together they never lock more than the budget."""
+        global _SHARED_BUDGET
+        if _SHARED_BUDGET is None:
+            _SHARED_BUDGET = cls.default()
+        return _SHARED_BUDGET
+
+    @classmethod
     def default(cls) -> "PinBudget":
         try:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -212,6 +258,9 @@ class PinBudget:
 
     def give_back(self, nbytes: int) -> None:
         self.used_bytes = max(0, self.used_bytes - nbytes)
+
+
+_SHARED_BUDGET: PinBudget | None = None
 
 
 class HostPinner(Protocol):
@@ -314,6 +363,10 @@ class PinnedSlab:
         return [e.name for e in self.slabs[unit].entries]
 
     def unit_bytes(self, unit: int) -> int:
+        return self.slabs[unit].nbytes
+
+    def buffer_bytes(self, unit: int) -> int:
+        """Bytes of the unit's slab (and of a device slot that holds it)."""
         return self.slabs[unit].nbytes
 
     @property

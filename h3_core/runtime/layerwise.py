@@ -9,6 +9,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 import torch.nn as nn
 
+from .file_reads import disk_read_bytes
 from .host_store import HostTensor, UnitRecipes
 from .offload_backends import OffloadBackend, offload_backend
 from .residency import BlockResidency, Residency, ResidencyError
@@ -64,7 +65,9 @@ class LayerwiseOffloadManager(BlockResidency):
     `backend` does the device work (`SynchronousBackend` or `AsyncBackend`); `prefetch` (default: the
     backend's, 0 synchronous, 1 CUDA) is how many streamed blocks `acquire(i)` loads ahead; `resident_blocks`
     (a count of leading blocks, or indices) stay on the device. `prefetch_next_pass` (default: on for asynchronous
-    backends) loads the head of the next pass at the end of a completed one, so its copies overlap the tail.
+    backends) loads the head of the next pass at the end of a completed one, so its copies overlap the tail; a store
+    that reads ahead reads that head from disk then, unless `prefetch_next_pass=False` (components that run one pass
+    per request), in which case its staging buffers are freed between passes.
     """
 
     residency = Residency.LAYERWISE_OFFLOAD
@@ -74,6 +77,7 @@ class LayerwiseOffloadManager(BlockResidency):
         self.backend = backend
         self.prefetch_depth = _check_prefetch(backend.default_prefetch if prefetch is None else prefetch)
         self._resident_request = resident_blocks
+        self._prefetch_next_pass_request = prefetch_next_pass
         self.prefetch_next_pass = backend.asynchronous if prefetch_next_pass is None else bool(prefetch_next_pass)
         self._attached = False
         self._in_pass = False
@@ -131,6 +135,9 @@ class LayerwiseOffloadManager(BlockResidency):
                         p.data = recipes[i][name].host_value()
             raise
         del recipes
+        # Stores that read ahead read the next pass's head during this pass's tail, unless told there is no next pass.
+        self.read_next_pass = self._prefetch_next_pass_request is not False and bool(getattr(self._store,
+                                                                                              "read_ahead", 0))
         num_slots = min(self.prefetch_depth + 1, len(self.streamed))
         self.backend.prepare(self._store, self.streamed, num_slots)
         self._slots = SlotTable(num_slots)
@@ -214,7 +221,9 @@ class LayerwiseOffloadManager(BlockResidency):
             self.end_pass()
         self._in_pass = True
         self._current = PassStats(host_store_bytes=self._store.host_bytes)
-        self.backend.platform.reset_peak()
+        # Counters are read, never reset: other components and the caller keep their own view of the process peak.
+        self._pass_start = (time.perf_counter(), self._read_counters(), disk_read_bytes(),
+                            self.backend.platform.peak_allocated_bytes())
         self._sample()
 
     def end_pass(self) -> None:
@@ -229,14 +238,33 @@ class LayerwiseOffloadManager(BlockResidency):
                 self._drop(slot)
         for index in sorted(head):
             self.prefetch(index)
+        if self.read_next_pass and not in_use:
+            self._store.prefetch_head()  # host-side reads ahead (staged stores)
+        elif hasattr(self._store, "trim"):
+            self._store.trim()  # one pass per request: give the staging memory back until the next one
         self._current.aborted = bool(in_use)
         self._sample()
-        peak = self.backend.platform.peak_allocated_bytes()
-        if peak is not None:
-            self._current.peak_device_bytes = max(self._current.peak_device_bytes, peak)
+        self._close_pass_figures()
         self._last_pass = self._current
         self._passes += 1
         self._in_pass = False
+
+    def _read_counters(self):
+        counters = getattr(self._store, "counters", None)
+        return None if counters is None else (counters.bytes_read, counters.read_s, counters.wait_s)
+
+    def _close_pass_figures(self) -> None:
+        started, reads, disk, peak_before = self._pass_start
+        c = self._current
+        c.seconds = time.perf_counter() - started
+        now = self._read_counters()
+        if reads is not None and now is not None:
+            c.bytes_read, c.read_s, c.read_wait_s = (b - a for a, b in zip(reads, now))
+        disk_now = disk_read_bytes()
+        c.disk_read_bytes = None if disk is None or disk_now is None else disk_now - disk
+        peak = self.backend.platform.peak_allocated_bytes()
+        if peak is not None and peak_before is not None and peak > peak_before:
+            c.peak_device_bytes = max(c.peak_device_bytes, peak)  # the process peak rose during this pass
 
     def acquire(self, index: int) -> None:
         """Make block `index`'s weights valid for the compute stream, then load up to `prefetch` blocks ahead."""
@@ -320,7 +348,7 @@ class LayerwiseOffloadManager(BlockResidency):
 
     @property
     def store(self):
-        """The host store (`HeldTensors` or `PinnedSlab`) holding every block between uses."""
+        """The host store (`StagedReads`, `HeldTensors` or `PinnedSlab`) holding every block between uses."""
         self._require_attached()
         return self._store
 
@@ -360,12 +388,16 @@ class LayerwiseOffloadManager(BlockResidency):
             streamed_blocks=self.streamed,
             slots=len(self._slots),
             store=self._store.kind,
-            extra={"reclaims": getattr(self.backend, "reclaims", 0)},
+            extra={"reclaims": getattr(self.backend, "reclaims", 0),
+                   "staging_bytes": getattr(self._store, "staging_bytes", 0),
+                   "cached_units": len(getattr(self._store, "cached_units", ()))},
         )
 
 
 def layerwise_manager(device: torch.device | str, *, prefetch: int | None = None,
-                      resident_blocks: int | Iterable[int] | None = None, **backend_options) -> LayerwiseOffloadManager:
-    """A manager with the backend for `device` (CUDA: asynchronous, pinned slabs; else synchronous, held tensors)."""
+                      resident_blocks: int | Iterable[int] | None = None, prefetch_next_pass: bool | None = None,
+                      **backend_options) -> LayerwiseOffloadManager:
+    """A manager with the backend for `device` (CUDA: asynchronous; else synchronous); units made from checkpoint
+    files are read ahead into staging buffers (`read_ahead=`, see `staged_store.py`)."""
     return LayerwiseOffloadManager(offload_backend(device, **backend_options), prefetch=prefetch,
-                                   resident_blocks=resident_blocks)
+                                   resident_blocks=resident_blocks, prefetch_next_pass=prefetch_next_pass)

@@ -1,7 +1,10 @@
 """Device backends of the layerwise offload manager; what differs per device is asked of the `Platform`.
 
-* `SynchronousBackend` (MPS; the CPU used as the device): a load copies the unit's host tensors to the device
-  and returns when they are there; releases drop them and, every `reclaim_every` releases, synchronise and empty
+Units made from checkpoint files are read by a `StagedReads` store (explicit reads, `read_ahead` units ahead on a
+background thread, see `staged_store.py`); units of tensors already in memory use `HeldTensors` / `PinnedSlab`.
+
+* `SynchronousBackend` (MPS; the CPU used as the device): a load copies the unit to the device (on the CPU, binds
+  the staging buffer itself) and returns when it is there; releases drop them and, every `reclaim_every` releases, synchronise and empty
   the allocator cache (MPS frees are deferred until the command buffers drain, so a release alone returns nothing).
 * `AsyncBackend` (CUDA): `prefetch + 1` fixed device slots sized for the largest unit and allocated once; a copy
   stream; per-slot `ready` (copy stream) and `free` (compute stream) events; one non-blocking copy per unit from
@@ -19,9 +22,20 @@ from typing import Sequence
 
 import torch
 
+from ..errors import ResidencyError
 from .host_store import HeldTensors, HostPinner, PinBudget, PinnedSlab, UnitRecipes
 from .platform import Platform
-from .residency import ResidencyError
+from .staged_store import StagedReads, any_file_backed
+
+
+def _check_read_ahead(read_ahead) -> int | None:
+    if read_ahead is None:
+        return None
+    if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+        raise ResidencyError(
+            f"read_ahead={read_ahead!r} must be an integer >= 0 (units read from disk ahead of the one in use; each "
+            "costs one staging buffer of host memory), or None to read through the memory map.")
+    return read_ahead
 
 
 # ---- backends ----------------------------------------------------------------------------------------------------
@@ -77,26 +91,52 @@ class SynchronousBackend(OffloadBackend):
     """Synchronous copies; for MPS (no exposed copy queue, so nothing to overlap) and for the CPU as the device.
 
     `reclaim_every`: synchronise and empty the device cache every N releases (default: 1 on MPS, never elsewhere).
+    `read_ahead`: units read from disk ahead of use (default 1; None reads through the memory maps, no staging);
+    `cache_budget_bytes`: see `StagedReads`.
     """
 
-    def __init__(self, device: torch.device | str, *, reclaim_every: int | None = None):
+    def __init__(self, device: torch.device | str, *, reclaim_every: int | None = None, read_ahead: int | None = 1,
+                 cache_budget_bytes: int | None = None):
         super().__init__(device)
+        self.read_ahead = _check_read_ahead(read_ahead)
+        self.cache_budget_bytes = cache_budget_bytes
         self.reclaim_every = self.platform.default_reclaim_every if reclaim_every is None else int(reclaim_every)
         if self.reclaim_every < 0:
             raise ResidencyError(f"reclaim_every must be >= 0 (0 = never), got {reclaim_every}.")
         self._slots: list[dict[str, torch.Tensor] | None] = []
+        self._lent: list = []
         self.releases = 0
         self.reclaims = 0
 
-    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]) -> HeldTensors:
+    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]):
+        if self.read_ahead is not None and streamed and any_file_backed(recipes):
+            return StagedReads(recipes, streamed, read_ahead=self.read_ahead, hand_over=self.platform.host_is_device,
+                               cache_budget_bytes=self.cache_budget_bytes)
         return HeldTensors(recipes)
 
     def prepare(self, store, streamed: Sequence[int], num_slots: int) -> None:
         self.store = store
         self._slots = [None] * num_slots
+        self._lent = [None] * num_slots
+        if isinstance(store, StagedReads) and store.hand_over:
+            store.reserve_consumer_buffers(num_slots)
 
     def load(self, slot: int, unit: int) -> int:
-        tensors = self.store.materialise(unit, self.device)
+        store = self.store
+        if isinstance(store, StagedReads) and unit not in store.slabs:
+            staged = store.take(unit)
+            if store.hand_over:  # the staging buffer is the device memory: lend it until the slot is unloaded
+                self._lent[slot] = staged
+                tensors = store.views(unit, staged.buffer)
+            else:
+                try:
+                    copy = staged.buffer[: store.buffer_bytes(unit)].to(device=self.device, copy=True)
+                finally:
+                    store.give_back(staged)
+                tensors = store.views(unit, copy)
+            self._slots[slot] = tensors
+            return store.unit_bytes(unit)
+        tensors = store.materialise(unit, self.device)
         self._slots[slot] = tensors
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -105,6 +145,9 @@ class SynchronousBackend(OffloadBackend):
 
     def unload(self, slot: int) -> None:
         self._slots[slot] = None
+        if self._lent and self._lent[slot] is not None:
+            self.store.give_back(self._lent[slot])
+            self._lent[slot] = None
         self.releases += 1
         if self.reclaim_every and self.releases % self.reclaim_every == 0:
             self.reclaim()
@@ -124,6 +167,7 @@ class SynchronousBackend(OffloadBackend):
 
     def close(self) -> None:
         self._slots = [None] * len(self._slots)
+        self._lent = [None] * len(self._lent)
         self.platform.synchronize()
         self.platform.empty_cache()
 
@@ -131,16 +175,21 @@ class SynchronousBackend(OffloadBackend):
 class AsyncBackend(OffloadBackend):
     """Fixed device slots filled from pinned slabs on a copy stream, ordered by per-slot events only.
 
-    `pin_budget` caps page-locked host bytes (default 40 % of RAM); `pinner` overrides the device's page-locker.
+    `pin_budget` caps page-locked host bytes (default: the one budget of the process, 40 % of RAM, shared by every
+    component); `pinner` overrides the device's page-locker. Units from checkpoint files are read `read_ahead`
+    ahead into a pinned staging ring, and the leading ones packed into pinned slabs while the budget allows.
     """
 
     asynchronous = True
     default_prefetch = 1
 
     def __init__(self, device: torch.device | str = "cuda", *, pin_budget: PinBudget | None = None,
-                 pinner: HostPinner | None = None):
+                 pinner: HostPinner | None = None, read_ahead: int | None = 1,
+                 cache_budget_bytes: int | None = None):
         super().__init__(device)
-        self.pin_budget = pin_budget if pin_budget is not None else PinBudget.default()
+        self.pin_budget = pin_budget if pin_budget is not None else PinBudget.shared()
+        self.read_ahead = _check_read_ahead(read_ahead)
+        self.cache_budget_bytes = cache_budget_bytes
         self._pinner = pinner if pinner is not None else self.platform.host_pinner()
         self.copy_stream = None
         self.buffers: list[torch.Tensor] = []
@@ -149,30 +198,56 @@ class AsyncBackend(OffloadBackend):
         self._free_recorded: list[bool] = []
         self._slot_nbytes = 0
 
-    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]) -> PinnedSlab:
+    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]):
+        if self.read_ahead is not None and streamed and any_file_backed(recipes):
+            store = StagedReads(recipes, streamed, read_ahead=max(1, self.read_ahead), pin_budget=self.pin_budget,
+                                pinner=self._pinner, cache_budget_bytes=self.cache_budget_bytes)
+            try:
+                store.pack_pinned()
+            except BaseException:
+                store.close()
+                raise
+            return store
         return PinnedSlab(recipes, budget=self.pin_budget, pinner=self._pinner, pin_units=streamed)
 
-    def prepare(self, store: PinnedSlab, streamed: Sequence[int], num_slots: int) -> None:
+    def prepare(self, store, streamed: Sequence[int], num_slots: int) -> None:
         self.store = store
         self.copy_stream = self.platform.new_stream()
         # Slots are sized for the largest streamed unit and allocated once: stable pointers, a deterministic peak,
         # no allocator churn; they are never freed before close(), so the allocator never reuses them early.
-        self._slot_nbytes = max((store.unit_bytes(u) for u in streamed), default=0)
+        self._slot_nbytes = max((store.buffer_bytes(u) for u in streamed), default=0)
         self.buffers = [torch.empty(self._slot_nbytes, dtype=torch.uint8, device=self.device)
                         for _ in range(num_slots)]
         self.ready_events = [self.platform.new_event() for _ in range(num_slots)]
         self.free_events = [self.platform.new_event() for _ in range(num_slots)]
         self._free_recorded = [False] * num_slots
 
+    def _host_unit(self, unit: int):
+        """(bytes to copy, staging buffer lent or None) of `unit`: a packed slab, or a staging buffer read ahead."""
+        store = self.store
+        if isinstance(store, StagedReads):
+            if unit in store.slabs:
+                return store.slabs[unit].data, None
+            staged = store.take(unit)  # its read started a unit ago; this waits only when disk is the bottleneck
+            return staged.buffer[: store.buffer_bytes(unit)], staged
+        return store.slab(unit).data, None
+
     def load(self, slot: int, unit: int) -> int:
-        slab = self.store.slab(unit)
+        data, staged = self._host_unit(unit)
         with self.platform.on_stream(self.copy_stream):
             if self._free_recorded[slot]:
                 # Overwrite only after the compute work that read this slot's previous unit.
                 self.copy_stream.wait_event(self.free_events[slot])
-            self.buffers[slot][: slab.nbytes].copy_(slab.data, non_blocking=True)
+            self.buffers[slot][: data.numel()].copy_(data, non_blocking=True)
             self.ready_events[slot].record(self.copy_stream)
-        return slab.nbytes
+            copied = None
+            if staged is not None:
+                copied = self.platform.new_event()
+                copied.record(self.copy_stream)
+        if staged is not None:
+            # Refilled by the reader only once this copy is done (it waits on the event, the host here does not).
+            self.store.give_back(staged, after=copied)
+        return data.numel()
 
     def wait_ready(self, slot: int, unit: int) -> dict[str, torch.Tensor]:
         self.platform.current_stream().wait_event(self.ready_events[slot])  # a device-side wait; the host goes on
@@ -187,6 +262,9 @@ class AsyncBackend(OffloadBackend):
         pass
 
     def materialise_persistent(self, unit: int) -> tuple[dict[str, torch.Tensor], int]:
+        if isinstance(self.store, StagedReads):
+            tensors = self.store.materialise(unit, self.device)  # resident units are read once, synchronously
+            return tensors, self.store.buffer_bytes(unit)
         slab = self.store.slab(unit)
         buffer = torch.empty(slab.nbytes, dtype=torch.uint8, device=self.device)
         buffer.copy_(slab.data, non_blocking=True)  # on the compute stream: ordered before every use

@@ -72,6 +72,9 @@ class InlineEvent:
     def record(self, stream=None) -> None:
         pass
 
+    def synchronize(self) -> None:
+        pass
+
     def query(self) -> bool:
         return True
 

@@ -28,12 +28,8 @@ from __future__ import annotations
 import contextlib
 import enum
 
-from ..errors import H3Error
+from ..errors import H3Error, ResidencyError  # noqa: F401 - ResidencyError is re-exported here
 from .telemetry import PassStats, ResidencyStats
-
-
-class ResidencyError(H3Error):
-    """A residency setting or call is invalid; the message names the value and the fix."""
 
 
 class Residency(str, enum.Enum):

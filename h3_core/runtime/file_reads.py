@@ -1,0 +1,185 @@
+"""Explicit reads of checkpoint bytes: where a tensor lives in its file, the file's identity, and a reader that
+turns a file changed under us into an error instead of a SIGBUS.
+
+A memory-mapped tensor faults its pages in on first touch; when the file was truncated meanwhile the kernel kills
+the process with SIGBUS (in ComfyUI, the whole server). `pread` into our own buffer gets a short read instead, and
+an `fstat` before each read catches a file rewritten in place (size, inode or mtime changed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+
+# Bytes per pread call: large enough for the kernel's read-ahead to stream, small enough to cancel between calls.
+READ_CHUNK_BYTES = 32 * 1024 * 1024
+
+_FADVISE = hasattr(os, "posix_fadvise")
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What must not change while a file is in use: device, inode, size and modification time."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of_stat(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> "FileIdentity":
+        return cls.of_stat(os.stat(path))
+
+    def changed(self, now: "FileIdentity") -> str | None:
+        """How `now` differs from this identity, in words; None when it does not."""
+        if now.size != self.size:
+            return f"its size changed from {self.size} to {now.size} bytes"
+        if (now.device, now.inode) != (self.device, self.inode) or now.mtime_ns != self.mtime_ns:
+            return "it was rewritten"
+        return None
+
+
+@dataclass(frozen=True)
+class FileSegment:
+    """The bytes of one stored tensor: `nbytes` at `offset` of `path`, as the file was when it was opened."""
+
+    path: str
+    offset: int
+    nbytes: int
+    identity: FileIdentity
+
+
+def tag_segment(tensor: torch.Tensor, segment: FileSegment) -> torch.Tensor:
+    """Remember where `tensor` (a memory-mapped view) lives in its file, so stores can read it explicitly."""
+    tensor._h3_file_segment = segment
+    return tensor
+
+
+def segment_of(tensor: torch.Tensor) -> FileSegment | None:
+    """The file bytes of a tagged memory-mapped tensor; None for any other tensor (a copy, a slice, RAM)."""
+    return getattr(tensor, "_h3_file_segment", None)
+
+
+def mapped_file_problem(path: str, identity: FileIdentity) -> str | None:
+    """Why a memory map of `path` taken at `identity` is no longer safe to read, or None.
+
+    A file replaced by a rename leaves the map on the loaded inode (still consistent); the same inode with another
+    size or mtime was truncated or rewritten in place, and touching the map's pages could SIGBUS or read new bytes.
+    """
+    try:
+        now = FileIdentity.of(path)
+    except OSError:
+        return None  # deleted: the map keeps the loaded inode alive
+    if (now.device, now.inode) != (identity.device, identity.inode):
+        return None
+    return identity.changed(now)
+
+
+def changed_file_error(path: str, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: the checkpoint changed while it was loaded ({why}). Replacing a model file while it is in use "
+        "is not supported: load the model again (in ComfyUI, re-run the loader node) once the new file is "
+        "complete.",
+        path=path,
+    )
+
+
+def byte_view(buffer: torch.Tensor) -> memoryview:
+    """A writable memoryview over a contiguous CPU tensor's bytes (kept valid by the caller holding `buffer`)."""
+    nbytes = buffer.numel() * buffer.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+
+
+class FileReader:
+    """Open files of one store, read by explicit `pread` with identity checks; counts what it read."""
+
+    def __init__(self):
+        self._fds: dict[str, tuple[int, FileIdentity]] = {}
+        self.bytes_read = 0
+        self.cancelled = False
+
+    def _open(self, segment: FileSegment) -> int:
+        entry = self._fds.get(segment.path)
+        if entry is None:
+            try:
+                fd = os.open(segment.path, os.O_RDONLY)
+            except OSError as exc:
+                raise changed_file_error(segment.path, f"it can no longer be opened: {exc.strerror}") from None
+            entry = (fd, segment.identity)
+            self._fds[segment.path] = entry
+        return entry[0]
+
+    def check(self, segment: FileSegment) -> int:
+        """The open descriptor of the segment's file, after checking the file is still the one that was loaded."""
+        fd = self._open(segment)
+        # A rename-replacement leaves our descriptor on the loaded inode (still consistent); an in-place rewrite or a
+        # truncation shows in its fstat.
+        why = segment.identity.changed(FileIdentity.of_stat(os.fstat(fd)))
+        if why is not None:
+            raise changed_file_error(segment.path, why)
+        return fd
+
+    def read_into(self, segment: FileSegment, target: torch.Tensor) -> None:
+        """Read the segment's bytes into `target` (a contiguous CPU tensor of exactly that many bytes)."""
+        fd = self.check(segment)
+        view = byte_view(target)
+        if len(view) != segment.nbytes:
+            raise ValueError(f"target holds {len(view)} bytes, the segment {segment.nbytes}")
+        done = 0
+        while done < segment.nbytes:
+            if self.cancelled:
+                return
+            step = min(READ_CHUNK_BYTES, segment.nbytes - done)
+            got = os.preadv(fd, [view[done: done + step]], segment.offset + done)
+            if got <= 0:
+                raise changed_file_error(
+                    segment.path, f"reading {segment.nbytes} bytes at offset {segment.offset} stopped after {done}: "
+                    "the file is shorter than when it was opened")
+            done += got
+        self.bytes_read += done
+
+    def drop_cached(self, segment: FileSegment) -> None:
+        """Tell the kernel the segment's pages will not be needed soon (they come back last, so keep others)."""
+        if _FADVISE and segment.path in self._fds:
+            os.posix_fadvise(self._fds[segment.path][0], segment.offset, segment.nbytes, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        for fd, _ in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = {}
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give without swapping (Linux MemAvailable: free + reclaimable page cache)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes this process has caused to be read from storage (Linux /proc/self/io `read_bytes`)."""
+    try:
+        with open("/proc/self/io") as io:
+            for line in io:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
