@@ -35,7 +35,11 @@ def residency_manager(component: str, device: torch.device, residency: Residency
     check_admission({component: ComponentPlan(mode, str(device))}, Platform.for_device(device))
     if mode is Residency.RESIDENT:
         return None
-    return layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks)
+    # The transformer runs one pass per sampling step: reading the next pass's head during this one's tail pays.
+    # The encoders and decoders run once per request; their staging buffers are freed between requests instead.
+    repeated = component == "transformer"
+    return layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks,
+                             prefetch_next_pass=None if repeated else False)
 
 
 def companion_manager(manager: LayerwiseOffloadManager, *, prefetch: int = 0,
@@ -79,6 +83,7 @@ def attach_layerwise(model: nn.Module, recipes: Mapping[str, HostTensor], manage
         other.attach(other_units, [{n: recipes[n] for n in u} for u in other_units])
     phase_units = {name: unit(prefixes) for name, prefixes in (phases or {}).items()}
     phase_units = {name: u for name, u in phase_units.items() if u}
-    weight_phases = PhaseScopedWeights(SynchronousBackend(device), phase_units,
+    # Phases read through the memory maps (checked before use): they run once per forward, out of stack order.
+    weight_phases = PhaseScopedWeights(SynchronousBackend(device, read_ahead=None), phase_units,
                                        {name: {n: recipes[n] for n in u} for name, u in phase_units.items()})
     return manager, weight_phases
