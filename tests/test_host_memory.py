@@ -4,8 +4,8 @@ A native-layout checkpoint of a few hundred MB (fused QKV stored per-head interl
 de-interleave it: a copy) is loaded with `residency="layerwise"` on the CPU used as the device, and one forward
 runs. In a fresh process, the growth of anonymous memory (RssAnon in /proc/self/status: pages not backed by a file)
 from before `load_dit` to after the forward must stay under 15 % of the file size and must not grow with the
-number of blocks (8 vs 16): the host store is the memory map itself, and only prefetch + 1 blocks are ever
-materialised. A resident load of the same file is the control showing that the measurement sees copies.
+number of blocks (8 vs 16): the host store reads the file itself, and only the staging ring (read_ahead + 1 = 2
+blocks, bound as the device tensors on the CPU) is ever materialised. A resident load of the same file is the control showing that the measurement sees copies.
 
 Raw RssAnon also counts freed heap pages glibc keeps for reuse (the transient copies of one block and of the text
 refiner: 27-45 MB, varying with heap layout), so the comparisons use the memory in use, read after malloc_trim(0).
@@ -106,7 +106,7 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     block_bytes = sum(v.numel() * 4 for k, v in random_state(
         H3DiTConfig(**{**BIG.__dict__, "num_layers": 1, "num_refiner_layers": 0})).items() if k.startswith("blocks."))
     layerwise_8, layerwise_16, resident = measure((checkpoints[8], "layerwise"), (checkpoints[16], "layerwise"),
-                                                  (checkpoints[8], "resident"))
+                                                  (checkpoints[16], "resident"))
     runs = {8: layerwise_8, 16: layerwise_16}
     for n, run in runs.items():
         print(f"{n} blocks: file {run['file'] / 1e6:.0f} MB, RssAnon +{(run['loaded'] - run['before']) / 1e6:.1f} MB "
@@ -119,15 +119,15 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     assert runs[16]["growth"] < 0.15 * runs[16]["file"]
     for run in runs.values():
         assert run["loaded"] - run["before"] < 0.01 * run["file"]  # loading itself copies nothing
-        assert run["in_use"] < 0.15 * run["file"]
+        assert run["in_use"] < 2.5 * block_bytes  # the staging ring of 2 blocks, whatever the block count
         assert run["second_in_use"] - run["after_in_use"] < 0.1 * block_bytes  # a second pass adds nothing
     # 8 more blocks (210 MB more file) add less than a tenth of one block in anonymous memory in use.
     assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes
     # Control: the resident loader de-interleaves every fused QKV weight (a copy), and the probe sees it.
-    qkv_bytes = 8 * 3 * BIG.inner_dim * BIG.hidden_size * 4
-    print(f"control, resident 8 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
+    qkv_bytes = 16 * 3 * BIG.inner_dim * BIG.hidden_size * 4
+    print(f"control, resident 16 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
           f"+{resident['in_use'] / 1e6:.1f} MB in use (QKV copies {qkv_bytes / 1e6:.0f} MB)")
-    assert resident["in_use"] > 0.9 * qkv_bytes > runs[8]["in_use"]
+    assert resident["in_use"] > 0.9 * qkv_bytes > runs[16]["in_use"]
 
 
 def write_block_lora(path: Path, config: H3DiTConfig, rank: int = 16) -> Path:
@@ -161,6 +161,6 @@ def test_a_lora_on_every_block_keeps_layerwise_memory_flat(checkpoints, tmp_path
         print(f"{n} blocks + LoRA ({loras[n].stat().st_size / 1e6:.0f} MB): RssAnon +{run['in_use'] / 1e6:.1f} MB in "
               f"use after one forward ({100 * run['in_use'] / run['file']:.1f} % of the file)")
         assert run["loaded"] - run["before"] < 0.01 * run["file"]
-        assert run["in_use"] < 0.15 * run["file"]
+        assert run["in_use"] < 2.5 * block_bytes  # the staging ring of 2 blocks, whatever the block count
         assert run["second_in_use"] - run["after_in_use"] < 0.1 * block_bytes
     assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes
