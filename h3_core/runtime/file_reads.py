@@ -147,6 +147,11 @@ class FileReader:
             done += got
         self.bytes_read += done
 
+    def will_need(self, segment: FileSegment) -> None:
+        """Ask the kernel to start reading the segment now (asynchronously): its disk time then overlaps our casts."""
+        if _FADVISE:
+            os.posix_fadvise(self._open(segment), segment.offset, segment.nbytes, os.POSIX_FADV_WILLNEED)
+
     def drop_cached(self, segment: FileSegment) -> None:
         """Tell the kernel the segment's pages will not be needed soon (they come back last, so keep others)."""
         if _FADVISE and segment.path in self._fds:

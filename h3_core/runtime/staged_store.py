@@ -214,6 +214,8 @@ class StagedReads:
     def _fill(self, unit: int, buffer: torch.Tensor) -> None:
         """Read `unit` from its files into `buffer` in its slot layout (cast, then combined, as HostTensor does)."""
         self._drop_pending()
+        for segment in self.unit_segments(unit):
+            self._reader.will_need(segment)
         for entry, recipe in zip(self._layouts[unit][0], self._recipes[unit].values()):
             target = view_in(buffer, entry)
             single = recipe.sources[0] if len(recipe.sources) == 1 else None
