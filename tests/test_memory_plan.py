@@ -47,6 +47,7 @@ def transformer_dominated(monkeypatch):
 
     def small(estimate):
         estimate.total_bytes = estimate.fixed_bytes = estimate.unit_bytes = estimate.activation_bytes = 1024
+        estimate.scoped_bytes, estimate.mapped_bytes, estimate.fixed_mapped_bytes = {}, 0, 0
         return estimate
 
     monkeypatch.setattr(mp, "_text_encoder_estimate", lambda *a: small(real_text(*a)))
@@ -60,7 +61,8 @@ def test_small_budget_streams_and_chunks(sources, transformer_dominated):
     # Lower and lower budgets: first the blocks stream, then the per-chunk temporaries get what is left, until
     # nothing fits. Every accepted plan stays within its budget.
     seen = set()
-    budget = dit.device_bytes()
+    budget = roomy.phase("sampling").total_bytes  # its weights, activations and step-cache tables
+    assert budget == dit.device_bytes() + dit.host_table_bytes
     while True:
         budget -= 50_000
         try:
@@ -100,8 +102,8 @@ def test_planned_run_matches_the_plain_run(sources, transformer_dominated):
     a = plain.generate("x", steps=2, seed=0, **request)
     plain.release_all()
     roomy = plan_for_budget(sources, budget_bytes=1 << 30, **request)
-    dit = next(c for c in roomy.components if c.name == "transformer")
-    options = plan_components(sources, memory_budget_gb=(dit.device_bytes() - 100_000) / 2**30, **request)
+    options = plan_components(sources, memory_budget_gb=(roomy.phase("sampling").total_bytes - 100_000) / 2**30,
+                              **request)
     assert options["transformer"].get("residency") == "layerwise"
     planned = H3Pipeline(sources, component_options=options)
     b = planned.generate("x", steps=2, seed=0, **request)

@@ -161,33 +161,78 @@ def test_an_over_budget_phase_streams_its_largest_streamable_component():
     components = [estimate("transformer", 40 * MiB, 5 * MiB),
                   estimate("text_encoder", 64 * MiB, 1 * MiB, unit=4 * MiB, fixed=8 * MiB, streamable=True)]
     plan = fit(components, 60 * MiB, phases=phases, keep=["text_encoder"])
-    # Sampling holds the kept text encoder: 45 + 64 MiB resident, 45 + 12 MiB once it streams.
+    # Sampling holds the kept text encoder: 45 + 64 MiB resident, 45 + 8 MiB once it streams (an idle streamed
+    # component that runs once per request keeps only its fixed weights: its slot and staging go after its pass).
     assert plan.component_options["text_encoder"] == {"residency": "layerwise"}
-    assert plan.phase("sampling").total_bytes == 57 * MiB and plan.peak_bytes <= 60 * MiB
+    assert plan.phase("sampling").total_bytes == 53 * MiB and plan.peak_bytes <= 60 * MiB
+    assert {i.label for i in plan.phase("sampling").items if i.kept} == {"text_encoder weights (kept)"}
 
 
 def test_host_store_and_staging_rings_are_items_of_every_phase_they_live_in():
     phases = [PhaseSpec("sampling", "transformer"), PhaseSpec("audio decode", "audio_vae")]
-    dit = estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)
-    audio = estimate("audio_vae", 4 * MiB, 1 * MiB)
-    dit.residency = "layerwise"
-    dit.prefetch = 1
-    (sampling, decode), = [phase_estimates([dit, audio], phases, keep=["transformer"], copying_store=True,
-                                           staging_read_ahead=2, pinned_ring=True)]
+
+    def components():
+        dit = estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)
+        dit.residency = "layerwise"
+        dit.prefetch = 1
+        return [dit, estimate("audio_vae", 4 * MiB, 1 * MiB)]
+
+    # CUDA: two fixed device slots, ONE page-locked ring of max(1, read_ahead) + 1 buffers, the packed host store;
+    # all of it outlives a pass, so a kept transformer holds it in the decode phase too.
+    sampling, decode = phase_estimates(components(), phases, keep=["transformer"], platform=Platform("cuda"),
+                                       staging_read_ahead=2)
     items = {i.label: i.nbytes for i in sampling.items}
-    assert items == {"transformer weights": 40 * MiB, "transformer activations": 2 * MiB,
-                     "transformer host store": 80 * MiB, "transformer staging": 30 * MiB,
+    assert items == {"transformer weights": 20 * MiB, "transformer slots": 20 * MiB,
+                     "transformer activations": 2 * MiB, "transformer host store": 80 * MiB,
                      "transformer pinned staging": 30 * MiB}
-    assert sampling.device_bytes == 42 * MiB and sampling.host_bytes == 140 * MiB
-    assert {i.label for i in decode.items if i.kept} == {"transformer weights (kept)", "transformer host store (kept)",
-                                                          "transformer staging (kept)",
+    assert sampling.device_bytes == 42 * MiB and sampling.host_bytes == 110 * MiB
+    assert {i.label for i in decode.items if i.kept} == {"transformer weights (kept)", "transformer slots (kept)",
+                                                          "transformer host store (kept)",
                                                           "transformer pinned staging (kept)"}
-    # On the CPU the store holds memory maps (no copy) and one budget covers the staging ring too.
+    # read_ahead 0 still reads one unit ahead on CUDA (the backend's max(1, read_ahead)).
+    cuda0 = phase_estimates(components(), phases[:1], platform=Platform("cuda"), staging_read_ahead=0)[0]
+    assert {i.label: i.nbytes for i in cuda0.items}["transformer pinned staging"] == 20 * MiB
+    # The CPU: the store holds memory maps (no copy) and the ring's buffers ARE the device slots: read_ahead
+    # buffers beyond the slots, not a second ring (prefetch 0: one slot).
     cpu = fit([estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)],
               60 * MiB, staging_read_ahead=1)
     assert {i.label: i.nbytes for i in cpu.phases[0].items} == {
-        "transformer weights": 30 * MiB, "transformer activations": 2 * MiB, "transformer staging": 20 * MiB}
-    assert cpu.shared_memory and cpu.peak_bytes == 52 * MiB
+        "transformer weights": 20 * MiB, "transformer slots": 10 * MiB, "transformer activations": 2 * MiB,
+        "transformer staging": 10 * MiB}
+    assert cpu.shared_memory and cpu.peak_bytes == 42 * MiB
+    # Apple MPS: device slots, and read_ahead + 1 host buffers besides them (one shared memory).
+    mps = fit([estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)],
+              60 * MiB, device="mps", staging_read_ahead=1)
+    assert {i.label: i.nbytes for i in mps.phases[0].items}["transformer staging"] == 20 * MiB
+    assert mps.peak_bytes == 52 * MiB
+    # No ring (read_ahead None): only the slots.
+    plain = fit([estimate("transformer", 100 * MiB, 2 * MiB, unit=10 * MiB, fixed=20 * MiB, streamable=True)],
+                60 * MiB)
+    assert plain.peak_bytes == 32 * MiB
+
+
+def test_a_streamed_phase_peaks_at_its_largest_part():
+    """Phase-scoped weights live in their own part, the AdaLN stack in its pass, the blocks with the activations
+    and the step-cache tables; a kept transformer's ring outlives its passes on the CPU."""
+    dit = ComponentEstimate("transformer", 200 * MiB, 10 * MiB, 60 * MiB, 8 * MiB, True, residency="layerwise",
+                            scoped_bytes={"text": 50 * MiB}, companion_unit_bytes=6 * MiB,
+                            fixed_mapped_bytes=4 * MiB, host_table_bytes=3 * MiB)
+    spec = PhaseSpec("sampling", "transformer", parts=("text", "AdaLN plan", "blocks"),
+                     part_activations=(("text", 1 * MiB),))
+    phase, = phase_estimates([dit], [spec], staging_read_ahead=1)
+    assert phase.parts == ["text", "AdaLN plan", "blocks"]
+    # Always: 10 MiB of resident fixed weights (4 of them memory-mapped).
+    assert {p: phase.part_bytes(p) for p in phase.parts} == {
+        "text": (10 + 50 + 1) * MiB, "AdaLN plan": (10 + 6 + 6 + 3) * MiB, "blocks": (10 + 10 + 10 + 8 + 3) * MiB}
+    assert phase.total_bytes == 61 * MiB and phase.peak_part == "text"
+    assert phase.anonymous_bytes == 57 * MiB  # less the mapped weights (file-backed pages)
+    assert phase.biggest(1)[0].label == "transformer phase weights [text]"
+    # Kept: the ring (slot + staging) stays allocated between passes, so it counts in every part.
+    kept, = phase_estimates([dit], [spec], keep=["transformer"], staging_read_ahead=1)
+    assert kept.part_bytes("AdaLN plan") == (10 + 6 + 6 + 3 + 20) * MiB
+    # Off the CPU nothing is used in place from the maps.
+    cuda, = phase_estimates([dit], [spec], platform=Platform("cuda"), staging_read_ahead=1)
+    assert not any(i.mapped for i in cuda.items)
 
 
 def test_on_a_discrete_device_host_items_count_against_the_host_budget():
@@ -216,10 +261,16 @@ def test_plan_for_budget_prints_each_phase_and_refuses_a_kept_component_that_bre
     alone = plan.peak_bytes  # the largest phase holding one component
     kept = plan_for_budget(sources, budget_bytes=1 << 30, keep=["text_encoder"], **request)
     assert all("text_encoder" in p.components for p in kept.phases) and kept.peak_bytes > alone + (1 << 20)
+    # Streamed, a kept text encoder holds only its fixed weights between its passes (the embedding and vision
+    # tower are phase-scoped, its layers' slot and ring are freed), so the planner streams it and it fits ...
+    streamed = plan_for_budget(sources, budget_bytes=alone + (1 << 20), keep=["text_encoder"], **request)
+    assert streamed.component_options["text_encoder"] == {"residency": "layerwise"}
+    # ... resident, it does not.
     with pytest.raises(MemoryBudgetError) as info:
-        plan_for_budget(sources, budget_bytes=alone + (1 << 20), keep=["text_encoder"], **request)
+        plan_for_budget(sources, budget_bytes=alone + (1 << 20), keep=["text_encoder"], residency="resident",
+                        **request)
     first = str(info.value).splitlines()[0]
-    assert f"the {kept.peak_phase.name} phase needs about" in first and "text_encoder weights (kept)" in first
+    assert f"the {kept.peak_phase.name} phase needs about" in first and "text_encoder weights (mapped) (kept)" in first
     assert "do not keep text_encoder" in str(info.value)
     with pytest.raises(Exception, match=r"unknown component\(s\) \['vae'\] to keep"):
         plan_for_budget(sources, budget_bytes=1 << 30, keep=["vae"], **request)

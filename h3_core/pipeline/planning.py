@@ -14,10 +14,12 @@ from typing import Callable
 
 import torch
 
-from ..checkpoints.audio_vae_loader import resolve_audio_vae_checkpoint
-from ..checkpoints.dit_loader import resolve_dit_checkpoint, target_dtype
-from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
-from ..checkpoints.video_vae_loader import resolve_video_vae_checkpoint
+from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
+from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED, resolve_dit_checkpoint, target_dtype
+from ..checkpoints.text_encoder_loader import (PHASE_SCOPED as TEXT_PHASE_SCOPED,
+                                               STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX,
+                                               resolve_text_encoder_checkpoint)
+from ..checkpoints.video_vae_loader import VIDEO_PHASE_SCOPED, resolve_video_vae_checkpoint
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
@@ -29,6 +31,15 @@ from .layout import AUDIO_CHANNELS, LatentShape
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
+# Sigma grid points assumed when the request does not say (the CLI's default for the released model).
+DEFAULT_STEPS = 50
+# What each phase runs, in order, when its component streams (`PhaseSpec.parts`): phase-scoped weight groups, the
+# DiT's AdaLN plan pass, the block stack.
+PHASE_PARTS = {"text encode": ("embeddings", "vision", "blocks"), "keyframe encode": ("encoder",),
+               "sampling": ("text", "AdaLN plan", "blocks"), "video decode": ("blocks",),
+               "audio decode": ("blocks",)}
+# The staging ring's read-ahead the loaders use (`StagedReads`, `read_ahead=1`).
+STAGING_READ_AHEAD = 1
 # The phases of one generation, in order, and the component each one runs. The pipeline releases, when a phase
 # starts, every loaded component the phase does not run unless it is kept; the plan sums what each phase holds.
 PHASES = (("text encode", "text_encoder"), ("keyframe encode", "video_vae"), ("sampling", "transformer"),
@@ -39,49 +50,94 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _dit_estimate(source, shape: LatentShape, dtype) -> tuple[ComponentEstimate, object, int]:
+def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]], mapped_of) -> dict:
+    """Per-spec sizes grouped: streamed units, phase-scoped groups, the resident rest and its memory-mapped part."""
+    units: dict = {}
+    groups = {part: 0 for part in scoped}
+    fixed = fixed_mapped = mapped = 0
+    for spec in ckpt.specs:
+        size = sizes(spec)
+        mapped += size if mapped_of(spec) else 0
+        unit = unit_of(spec.name)
+        if unit is not None:
+            units[unit] = units.get(unit, 0) + size
+            continue
+        fixed += size
+        part = next((p for p, prefixes in scoped.items() if spec.name.startswith(prefixes)), None)
+        if part is not None:
+            groups[part] += size
+        elif mapped_of(spec):
+            fixed_mapped += size
+    return dict(units=units, fixed=fixed, scoped={p: b for p, b in groups.items() if b}, mapped=mapped,
+                fixed_mapped=fixed_mapped, total=fixed + sum(units.values()))
+
+
+def _in_place(ckpt, target_of):
+    """Whether a spec's tensor is used straight from the memory map on the CPU: one stored tensor, no combine,
+    stored in the dtype it runs in."""
+    return lambda spec: (spec.combine is None and len(spec.keys) == 1
+                         and ckpt.files[spec.keys[0]].dtype(spec.keys[0]) == target_of(spec))
+
+
+def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
+                  keyframes: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
-    blocks: dict[int, int] = {}
-    fixed = 0
-    residual_dtype = torch.float32
-    for spec in ckpt.specs:
-        stored = ckpt.files[spec.keys[0]].dtype(spec.keys[0])
-        target = target_dtype(spec.name, stored, dtype)
-        size = ckpt.numel(spec) * _dtype_bytes(target)
-        if spec.name == "condition_proj.weight":
-            residual_dtype = target
-        if spec.name.startswith("blocks."):
-            index = int(spec.name.split(".")[1])
-            blocks[index] = blocks.get(index, 0) + size
-        else:
-            fixed += size
-    rows = (TEXT_ROWS_ESTIMATE + AUDIO_CHANNELS * shape.audio_latents
+    targets = {spec.name: target_dtype(spec.name, ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
+               for spec in ckpt.specs}
+    residual_dtype = targets.get("condition_proj.weight", torch.float32)
+    g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(targets[spec.name]),
+                 lambda n: n.split(".")[1] if n.startswith("blocks.") and ".adaln_proj." not in n else
+                 (f"adaln.{n.split('.')[1]}" if n.startswith("blocks.") else None),
+                 DIT_PHASE_SCOPED, _in_place(ckpt, lambda spec: targets[spec.name]))
+    blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
+    adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
+    text_rows = TEXT_ROWS_ESTIMATE
+    rows = (text_rows + AUDIO_CHANNELS * shape.audio_latents
             + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2))
     element = _dtype_bytes(residual_dtype)
     # Full-length buffers every block keeps: residual in and out, K and V, the attention output, per-row modulation.
     full_length = rows * element * (3 * c.hidden_size + 2 * c.inner_dim + 6 * c.hidden_size // 3)
     fused_temporaries = rows * element * projection_elements_per_row(c)
-    estimate = ComponentEstimate("transformer", fixed + sum(blocks.values()), max(blocks.values(), default=0), fixed,
-                                 full_length + fused_temporaries, streamable=True)
+    # The step cache's AdaLN tables (host memory through the steps): every block's projection output for each
+    # distinct timestep of every call (text and video, audio, and the keyframes' condition rows).
+    adaln_spec = next((spec for spec in ckpt.specs if spec.name == "blocks.0.adaln_proj.linear.weight"), None)
+    tables = 0
+    if adaln_spec is not None:
+        calls = max(1, steps - 1)
+        tables = (c.num_layers * calls * (2 + int(keyframes)) * adaln_spec.shapes[0][0]
+                  * _dtype_bytes(targets[adaln_spec.name]))
+    estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
+                                 full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
+                                 companion_unit_bytes=max(adaln.values(), default=0), mapped_bytes=g["mapped"],
+                                 fixed_mapped_bytes=g["fixed_mapped"], host_table_bytes=tables)
     return estimate, c, rows
 
 
-def _text_encoder_estimate(source, layer: int) -> ComponentEstimate:
+def _dit_part_activations(config, dtype) -> tuple[tuple[str, int], ...]:
+    """The text refiner's part of sampling: the text rows through the condition projection and the refiner blocks
+    (residual, its normalised copy, fused QKV and the SwiGLU's two halves), float32 states in."""
+    rows = TEXT_ROWS_ESTIMATE
+    element = 2 if (dtype or torch.bfloat16) in (torch.bfloat16, torch.float16) else 4
+    h = config.hidden_size
+    return (("text", rows * (4 * config.text_dim + element * (6 * h + 3 * config.ffn_dim))),)
+
+
+def _text_encoder_estimate(source, layer: int, dtype=None) -> ComponentEstimate:
     ckpt = resolve_text_encoder_checkpoint(source, layer)
-    layers: dict[int, int] = {}
-    fixed = 0
-    for spec in ckpt.specs:
-        size = sum(ckpt.files[k].nbytes(k) for k in spec.keys)  # the loader keeps the stored dtype by default
-        if spec.name.startswith("language_model.layers."):
-            index = int(spec.name.split(".")[2])
-            layers[index] = layers.get(index, 0) + size
-        else:
-            fixed += size
+
+    def target(spec):  # the loader keeps the stored dtype by default
+        return dtype or ckpt.files[spec.keys[0]].dtype(spec.keys[0])
+
+    prefix = TEXT_STREAMED_LAYER_PREFIX
+    g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(target(spec)),
+                 lambda n: n[len(prefix):].split(".")[0] if n.startswith(prefix) else None,
+                 TEXT_PHASE_SCOPED, _in_place(ckpt, target))
     hidden = ckpt.config.language.hidden_size
     activations = TEXT_ROWS_ESTIMATE * 4 * (8 * hidden + 2 * ckpt.config.language.intermediate_size)
-    return ComponentEstimate("text_encoder", fixed + sum(layers.values()), max(layers.values(), default=0), fixed,
-                             activations, streamable=True)
+    return ComponentEstimate("text_encoder", g["total"], max(g["units"].values(), default=0), g["fixed"],
+                             activations, streamable=True, scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
+                             fixed_mapped_bytes=g["fixed_mapped"])
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
@@ -95,14 +151,9 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
                 decoder = AudioVAE(ckpt.config).decoder
             stages = [tuple(f"decoder.{p}" for p in decoder.stage_prefixes(i)) for i in range(len(decoder.ups))]
             unit_of = lambda n: next((str(i) for i, p in enumerate(stages) if n.startswith(p)), None)  # noqa: E731
-        total = 0
-        units: dict[str, int] = {}
-        for spec in ckpt.specs:
-            size = ckpt.numel(spec) * 4  # VAEs always run in float32
-            total += size
-            unit = unit_of(spec.name)
-            if unit is not None:
-                units[unit] = units.get(unit, 0) + size
+        g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * 4,  # VAEs always run in float32
+                     unit_of, VIDEO_PHASE_SCOPED if name == "video_vae" else AUDIO_PHASE_SCOPED,
+                     _in_place(ckpt, lambda spec: torch.float32))
         if name == "video_vae":
             c = ckpt.config
             # One 17-frame clip of pixels on the device, the decoder's tokens for one tile (256 px -> 16x16 latents
@@ -117,9 +168,9 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             # Largest stage of the upsampler: channels halve as the length grows by the rate; x2 anti-alias resampling.
             samples = 800 * shape.audio_latents * AUDIO_CHANNELS
             activations = 6 * 4 * samples * max(8, c.decoder_dim // 2 ** len(c.decoder_rates)) * 2
-        fixed = total - sum(units.values())
-        out.append(ComponentEstimate(name, total, max(units.values(), default=0), fixed, activations,
-                                     streamable=bool(units)))
+        out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
+                                     streamable=bool(g["units"]), scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
+                                     fixed_mapped_bytes=g["fixed_mapped"]))
     return out
 
 
@@ -143,15 +194,19 @@ def check_keep(keep) -> tuple[str, ...]:
 
 def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, height: int, num_frames: int,
                     dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=(), keep=(),
-                    keyframes: bool = False, staging_read_ahead: int | None = None,
-                    host_budget_bytes: int | None = None) -> MemoryPlan:
+                    keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
+                    host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
+                    residency: str | None = None) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
     `keep` names components the pipeline keeps loaded (its `keep_*` options): they count in every phase.
-    `keyframes`: the request has first / last keyframes, so the keyframe-encode phase runs. `staging_read_ahead`:
-    the layerwise staging ring's read-ahead (None: no ring); `host_budget_bytes`: on a discrete device (CUDA), the
-    host memory the stores and rings may take (None: reported, not checked). See `runtime.memory_plan.fit_budget`.
+    `keyframes`: the request has first / last keyframes, so the keyframe-encode phase runs (and the text encoder's
+    vision tower). `steps` (sigma grid points) sizes the step cache's AdaLN tables. `staging_read_ahead`: the
+    layerwise staging ring's read-ahead (the loaders' 1 by default; None: no ring); `host_budget_bytes`: on a
+    discrete device (CUDA), the host memory the stores and rings may take (None: reported, not checked).
+    `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it.
+    See `runtime.memory_plan.fit_budget`.
 
     `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
     memory-mapped, and the device bytes of their largest fold step count with the transformer's activations."""
@@ -159,8 +214,8 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
     keep = check_keep(keep)
     shape = LatentShape.for_request(width, height, num_frames)
-    dit, config, rows = _dit_estimate(sources.transformer, shape, dtype)
-    text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer)
+    dit, config, rows = _dit_estimate(sources.transformer, shape, dtype, steps=steps, keyframes=keyframes)
+    text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer, dtype)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
     element = 2 if (dtype or torch.bfloat16) in (torch.bfloat16, torch.float16) else 4
@@ -173,17 +228,20 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
         notes.append(f"{len(fold.loras)} LoRA file(s), {format_bytes(files)} memory-mapped; their fold adds up to "
                      f"{format_bytes(fold_bytes)} to the transformer phase")
     phases = [PhaseSpec(name, component,
-                        _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None)
+                        _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None,
+                        parts=tuple(p for p in PHASE_PARTS[name] if keyframes or p != "vision"),
+                        part_activations=_dit_part_activations(config, dtype) if component == "transformer" else ())
               for name, component in PHASES if keyframes or name != "keyframe encode"]
     return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
                       row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes,
                       phases=phases, keep=keep, staging_read_ahead=staging_read_ahead,
-                      host_budget_bytes=host_budget_bytes)
+                      host_budget_bytes=host_budget_bytes, residency=residency)
 
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
-                    loras=(), keep=(), keyframes: bool = False, log: Callable[[str], None] | None = None) -> dict:
+                    loras=(), keep=(), keyframes: bool = False, steps: int = DEFAULT_STEPS,
+                    log: Callable[[str], None] | None = None) -> dict:
     """Loader options per component from the user's settings; with a memory budget, the preflight decides (its
     per-phase breakdown goes to `log`), counting the components in `keep` in every phase.
 
@@ -196,7 +254,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
             raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
                                height=height, num_frames=num_frames, chunk_size=chunk_size, loras=loras,
-                               keep=keep, keyframes=keyframes)
+                               keep=keep, keyframes=keyframes, steps=steps)
         if log:
             log(plan.describe())
         options = {name: dict(opts) for name, opts in plan.component_options.items()}

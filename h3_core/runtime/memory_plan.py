@@ -6,10 +6,17 @@ the other; each phase holds the component it uses plus every component the calle
 each phase's sum: weights on the device, host stores, staging rings and the active component's activations. Where
 the device is the host's memory (the CPU) or shares it (Apple MPS) one budget covers all of them; on a discrete
 device (CUDA) the budget is the device's and host stores and staging count against `host_budget_bytes` when given.
+
+A streamed (layerwise) component's phase runs in parts, one after the other, and its peak is the largest part's:
+each phase-scoped weight group (the text encoder's embedding and vision tower, the DiT's text refiner, the VAE
+encoders) is on the device only during its own part; the block stack runs in the "blocks" part, its device slots
+fed from a staging ring (`staging_items`, per platform); the DiT's AdaLN projections, a second streamed stack, run
+in an "AdaLN plan" part of their own before the steps, whose host tables stay through the steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -31,47 +38,76 @@ def format_bytes(n: int) -> str:
 
 @dataclass
 class ComponentEstimate:
-    """One component's bytes; `residency` is the plan's choice for it, `prefetch` its streamed units loaded ahead."""
+    """One component's bytes; `residency` is the plan's choice for it, `prefetch` its streamed units loaded ahead.
+
+    `fixed_bytes` are the weights outside the streamed stack; of them, `scoped_bytes` (part name -> bytes) are
+    phase-scoped: streamed, each group is on the device only during its part of a phase. `companion_unit_bytes`: the
+    largest unit of a second stack split off the blocks (the DiT's AdaLN projections), streamed in a pass of its own;
+    `unit_bytes` is then the largest block without it. `mapped_bytes` / `fixed_mapped_bytes`: of all weights (a
+    resident load) / of the fixed weights that are not phase-scoped (a streamed one), those the CPU uses straight from
+    the checkpoint's memory maps (stored in the compute dtype, no combine: file-backed pages, not a copy).
+    `host_table_bytes`: host memory the component's blocks part holds (the DiT's step-cache AdaLN tables)."""
 
     name: str
     total_bytes: int  # all weights
     unit_bytes: int  # largest streamed unit (block / layer); 0 if the component has none
-    fixed_bytes: int  # weights that stay on the device when streamed
+    fixed_bytes: int  # weights outside the streamed units (resident ones and phase-scoped ones)
     activation_bytes: int
     streamable: bool
     residency: str = "resident"
     prefetch: int = 0
+    scoped_bytes: dict = field(default_factory=dict)
+    companion_unit_bytes: int = 0
+    mapped_bytes: int = 0
+    fixed_mapped_bytes: int = 0
+    host_table_bytes: int = 0
+
+    @property
+    def slots(self) -> int:
+        return self.prefetch + 1
+
+    @property
+    def resident_fixed_bytes(self) -> int:
+        """Weights on the device through every phase of a streamed load: the fixed ones not phase-scoped."""
+        return self.fixed_bytes - sum(self.scoped_bytes.values())
 
     def weight_bytes(self, prefetch: int | None = None) -> int:
-        """Weights on the device: all of them, or (layerwise) the fixed ones plus `prefetch + 1` streamed units."""
+        """Weights on the device at the component's peak: all of them, or (layerwise) the resident fixed ones plus
+        the largest of its phase-scoped groups, its `prefetch + 1` streamed units and its companion unit."""
         if self.residency == "layerwise":
             ahead = self.prefetch if prefetch is None else prefetch
-            return self.fixed_bytes + (ahead + 1) * self.unit_bytes
+            return self.resident_fixed_bytes + max((ahead + 1) * self.unit_bytes, self.companion_unit_bytes,
+                                                   *self.scoped_bytes.values())
         return self.total_bytes
 
     def device_bytes(self, prefetch: int | None = None) -> int:
         return self.weight_bytes(prefetch) + self.activation_bytes
 
     def host_store_bytes(self, copying_store: bool) -> int:
-        """Host memory of the streamed units: a copy where the store packs them (CUDA's pinned slabs), nothing
-        where it holds the checkpoint's memory maps (CPU, MPS)."""
+        """Host memory of the streamed units: a copy where the store packs them (CUDA's pinned slabs, at most the
+        pin budget), nothing where it holds the checkpoint's memory maps (CPU, MPS)."""
         return self.total_bytes - self.fixed_bytes if self.residency == "layerwise" and copying_store else 0
 
-    def staging_bytes(self, read_ahead: int | None) -> int:
-        """One staging ring of a streamed component: `(read_ahead + 1)` x its largest unit; None: no ring."""
-        if self.residency != "layerwise" or read_ahead is None:
-            return 0
-        return (read_ahead + 1) * self.unit_bytes
+    def staging_bytes(self, read_ahead: int | None, platform: Platform | None = None) -> int:
+        """The staging ring of a streamed component beyond its device slots; None: no ring. See `staging_items`."""
+        return sum(i.nbytes for i in staging_items(self, self.unit_bytes, self.slots, read_ahead,
+                                                   platform or Platform("cpu")) if not i.what.endswith("slots"))
 
 
 @dataclass(frozen=True)
 class PhaseSpec:
     """A phase of a generation: its name, the component it runs, and its activations when they differ from the
-    component's estimate (the video VAE encodes keyframes with other temporaries than it decodes with)."""
+    component's estimate (the video VAE encodes keyframes with other temporaries than it decodes with).
+
+    `parts`: what the phase runs, in order, when the component streams: names of its phase-scoped weight groups,
+    "AdaLN plan" (the companion stack's pass) and "blocks" (its block stack, with the activations); None: the blocks,
+    with every phase-scoped group on the device throughout. `part_activations`: other parts' activations."""
 
     name: str
     component: str
     activation_bytes: int | None = None
+    parts: tuple[str, ...] | None = None
+    part_activations: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,14 +115,17 @@ class PhaseItem:
     """One thing alive during a phase. `on_host`: host memory (stores, staging); `kept`: an idle kept component."""
 
     component: str
-    what: str  # "weights", "activations", "host store", "staging", "pinned staging"
+    what: str  # "weights", "phase weights", "slots", "activations", "host store", "staging", "pinned staging", ...
     nbytes: int
     on_host: bool = False
     kept: bool = False
+    during: str | None = None  # the part of the phase it lives in (None: all of it)
+    mapped: bool = False  # file-backed pages of the checkpoint's memory maps (the CPU using them in place)
 
     @property
     def label(self) -> str:
-        return f"{self.component} {self.what}" + (" (kept)" if self.kept else "")
+        return (f"{self.component} {self.what}" + (" (mapped)" if self.mapped else "")
+                + (f" [{self.during}]" if self.during else "") + (" (kept)" if self.kept else ""))
 
 
 @dataclass
@@ -96,16 +135,36 @@ class PhaseEstimate:
     items: list[PhaseItem]
 
     @property
+    def parts(self) -> list[str | None]:
+        """The parts the phase runs one after the other ([None]: one part)."""
+        return list(dict.fromkeys(i.during for i in self.items if i.during is not None)) or [None]
+
+    def part_bytes(self, part: str | None, *, on_host: bool | None = None, anonymous: bool = False) -> int:
+        """What is alive during `part`: the items of the whole phase and those of that part."""
+        return sum(i.nbytes for i in self.items if (i.during is None or i.during == part)
+                   and (on_host is None or i.on_host == on_host) and not (anonymous and i.mapped))
+
+    @property
     def device_bytes(self) -> int:
-        return sum(i.nbytes for i in self.items if not i.on_host)
+        return max(self.part_bytes(p, on_host=False) for p in self.parts)
 
     @property
     def host_bytes(self) -> int:
-        return sum(i.nbytes for i in self.items if i.on_host)
+        return max(self.part_bytes(p, on_host=True) for p in self.parts)
 
     @property
     def total_bytes(self) -> int:
-        return self.device_bytes + self.host_bytes
+        """The peak of the phase: its largest part (device and host memory together)."""
+        return max(self.part_bytes(p) for p in self.parts)
+
+    @property
+    def anonymous_bytes(self) -> int:
+        """The peak less the memory-mapped weights (file-backed): what a process's anonymous memory shows."""
+        return max(self.part_bytes(p, anonymous=True) for p in self.parts)
+
+    @property
+    def peak_part(self) -> str | None:
+        return max(self.parts, key=self.part_bytes)
 
     @property
     def components(self) -> list[str]:
@@ -116,12 +175,96 @@ class PhaseEstimate:
         return sorted(items, key=lambda i: -i.nbytes)[:count]
 
 
+def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int | None, platform: Platform, *,
+                  during: str | None = None, stack: str = "") -> list[PhaseItem]:
+    """The device slots of a streamed stack (`slots` units of `unit` bytes) and its staging ring, per platform:
+
+    * the CPU as the device: the ring's buffers are the device tensors (`read_ahead + slots` buffers): the slots,
+      plus `read_ahead` staging buffers;
+    * Apple MPS: the slots are device allocations, the ring `read_ahead + 1` host buffers besides them;
+    * CUDA: fixed device slots, and one page-locked ring of `max(1, read_ahead) + 1` buffers.
+
+    `read_ahead` None: no ring (units are materialised from the memory maps). `stack` prefixes the labels ("AdaLN"
+    for the DiT's second stack)."""
+    prefix = f"{stack} " if stack else ""
+    items = [PhaseItem(c.name, f"{prefix}slots", slots * unit, during=during)]
+    if read_ahead is None or not unit:
+        return items
+    if platform.host_is_device:
+        ring, label = read_ahead * unit, "staging"
+    elif platform.asynchronous_copies:
+        ring, label = (max(1, read_ahead) + 1) * unit, "pinned staging"
+    else:
+        ring, label = (read_ahead + 1) * unit, "staging"
+    items.append(PhaseItem(c.name, f"{prefix}{label}", ring, on_host=True, during=during))
+    return items
+
+
+def _weights(c: ComponentEstimate, nbytes: int, mapped: int, platform: Platform, **kw) -> list[PhaseItem]:
+    """Weights on the device, the memory-mapped ones apart where the CPU uses them in place."""
+    mapped = mapped if platform.host_is_device else 0
+    return [PhaseItem(c.name, "weights", nbytes - mapped, **kw), PhaseItem(c.name, "weights", mapped, mapped=True, **kw)]
+
+
+def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool, platform: Platform,
+                     read_ahead: int | None) -> list[PhaseItem]:
+    """What `c` holds during the phase `spec` runs it (None: an idle kept component)."""
+    copying = platform.asynchronous_copies
+    if c.residency != "layerwise":
+        items = _weights(c, c.total_bytes, c.mapped_bytes, platform)
+        if spec is not None:
+            activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
+            items += [PhaseItem(c.name, "activations", activations),
+                      PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True)]
+        return items
+    # Streamed: the resident fixed weights always; the stack's ring where it outlives a pass (CUDA rings and slots
+    # stay allocated; on the CPU / MPS only the transformer's, which reads the next pass's head, when kept).
+    items = _weights(c, c.resident_fixed_bytes, c.fixed_mapped_bytes, platform)
+    items.append(PhaseItem(c.name, "host store", c.host_store_bytes(copying), on_host=True))
+    repeated = c.companion_unit_bytes > 0 or c.name == "transformer"
+    persistent = copying or (kept and repeated and read_ahead is not None)
+    if spec is None:
+        if persistent:
+            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform)
+            items += ring if copying or platform.host_is_device else ring[1:]
+        if copying and c.companion_unit_bytes:
+            items += staging_items(c, c.companion_unit_bytes, 1, read_ahead, platform, stack="AdaLN")
+        return items
+    parts = spec.parts if spec.parts is not None else ("blocks",)
+    single = len(parts) == 1
+    extra = dict(spec.part_activations)
+    activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
+    if spec.parts is None:  # every phase-scoped group on the device throughout
+        items.append(PhaseItem(c.name, "phase weights", sum(c.scoped_bytes.values())))
+    for part in parts:
+        during = None if single else part
+        if part == "blocks":
+            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform, during=during)
+            if persistent:  # alive through the whole phase
+                ring = [dataclasses.replace(i, during=None) for i in ring]
+            items += ring + [PhaseItem(c.name, "activations", activations, during=during),
+                             PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True, during=during)]
+        elif part == "AdaLN plan":
+            ring = staging_items(c, c.companion_unit_bytes, 1, read_ahead, platform, during=during, stack="AdaLN")
+            if copying:
+                ring = [dataclasses.replace(i, during=None) for i in ring]
+            items += ring + [PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True, during=during),
+                             PhaseItem(c.name, "activations", extra.get(part, 0), during=during)]
+        else:
+            items += [PhaseItem(c.name, "phase weights", c.scoped_bytes.get(part, 0), during=during),
+                      PhaseItem(c.name, "activations", extra.get(part, activations if "blocks" not in parts else 0),
+                                during=during)]
+    return items
+
+
 def phase_estimates(components: Sequence[ComponentEstimate], phases: Sequence[PhaseSpec], *,
-                    keep: Iterable[str] = (), copying_store: bool = False, staging_read_ahead: int | None = None,
-                    pinned_ring: bool = False) -> list[PhaseEstimate]:
-    """What coexists in each phase: the phase's component (weights, activations, host store, staging) and every
-    kept component (the same minus activations: a kept component stays loaded through every phase, also between
-    generations). `pinned_ring` adds a second, page-locked ring of the staging ring's size (CUDA)."""
+                    keep: Iterable[str] = (), platform: Platform | None = None,
+                    staging_read_ahead: int | None = None) -> list[PhaseEstimate]:
+    """What coexists in each phase: the phase's component (weights, activations, host store, staging, by part) and
+    every kept component (its weights, store and whatever staging outlives a pass: a kept component stays loaded
+    through every phase, also between generations). `platform` (default the CPU) decides the ring's shape and where
+    it lives (`staging_items`)."""
+    platform = platform or Platform("cpu")
     keep = set(keep)
     out = []
     for spec in phases:
@@ -130,16 +273,9 @@ def phase_estimates(components: Sequence[ComponentEstimate], phases: Sequence[Ph
             active = c.name == spec.component
             if not active and c.name not in keep:
                 continue
-            idle = not active
-            items.append(PhaseItem(c.name, "weights", c.weight_bytes(), kept=idle))
-            if active:
-                activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
-                items.append(PhaseItem(c.name, "activations", activations))
-            items.append(PhaseItem(c.name, "host store", c.host_store_bytes(copying_store), on_host=True, kept=idle))
-            ring = c.staging_bytes(staging_read_ahead)
-            items.append(PhaseItem(c.name, "staging", ring, on_host=True, kept=idle))
-            if pinned_ring:
-                items.append(PhaseItem(c.name, "pinned staging", ring, on_host=True, kept=idle))
+            found = _component_items(c, spec if active else None, kept=c.name in keep, platform=platform,
+                                     read_ahead=staging_read_ahead)
+            items += [dataclasses.replace(i, kept=not active) for i in found]
         out.append(PhaseEstimate(spec.name, spec.component, [i for i in items if i.nbytes]))
     return out
 
@@ -210,7 +346,8 @@ class MemoryPlan:
         for p in self.phases:
             needs = (format_bytes(p.total_bytes) if self.shared_memory else
                      f"device {format_bytes(p.device_bytes)} + host {format_bytes(p.host_bytes)}")
-            lines.append(f"    {p.name:<16} {needs:>10} = {_items(p.biggest(len(p.items)))}")
+            peak = f" (peak: {p.peak_part})" if p.parts != [None] else ""
+            lines.append(f"    {p.name:<16} {needs:>10}{peak} = {_items(p.biggest(len(p.items)))}")
         if self.dit_chunk_budget is not None:
             lines.append(f"  transformer chunks sized for {format_bytes(self.dit_chunk_budget)} of temporaries")
         lines.extend(f"  {note}" for note in self.notes)
@@ -246,7 +383,8 @@ class MemoryPlan:
 def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform: Platform, *,
                dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None,
                notes: list[str] | None = None, phases: Sequence[PhaseSpec] | None = None, keep: Iterable[str] = (),
-               staging_read_ahead: int | None = None, host_budget_bytes: int | None = None) -> MemoryPlan:
+               staging_read_ahead: int | None = None, host_budget_bytes: int | None = None,
+               residency: str | None = None) -> MemoryPlan:
     """Choose residency per component and the transformer's chunk budget so that every phase fits `budget_bytes`;
     raise `MemoryBudgetError` with the plan when a phase does not.
 
@@ -255,28 +393,30 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     it smaller; where the platform's memory is unified every streamable component streams (see admission.py).
     `dit` (one of `components`) counts `rows * row_bytes` of fused per-row temporaries in its activations; a chunk
     budget (what the rest of its phase leaves), or the given `chunk_size`, replaces them by one chunk's.
-    `staging_read_ahead` models the streaming staging ring: `(read_ahead + 1)` x the largest unit of host memory
-    per streamed component, plus an equal pinned ring where copies are asynchronous (CUDA); None: no ring.
-    The estimates are updated in place.
+    `staging_read_ahead` models the streaming staging ring (`staging_items`: on the CPU `read_ahead` buffers beyond
+    the slots, which are ring buffers themselves; on MPS `read_ahead + 1` host buffers; on CUDA one pinned ring of
+    `max(1, read_ahead) + 1`); None: no ring. `residency` ("resident" / "layerwise") fixes every streamable
+    component's residency instead of choosing it. The estimates are updated in place.
     """
     phases = list(phases) if phases is not None else [PhaseSpec(c.name, c.name) for c in components]
     keep = tuple(name for name in (c.name for c in components) if name in set(keep))
     shared = platform.host_is_device or platform.unified_memory
-    copying = platform.asynchronous_copies  # CUDA packs streamed units into pinned host slabs
 
     def estimate() -> list[PhaseEstimate]:
-        return phase_estimates(components, phases, keep=keep, copying_store=copying,
-                               staging_read_ahead=staging_read_ahead, pinned_ring=copying)
+        return phase_estimates(components, phases, keep=keep, platform=platform,
+                               staging_read_ahead=staging_read_ahead)
 
     def budgeted(phase: PhaseEstimate) -> int:
         return phase.total_bytes if shared else phase.device_bytes
 
+    if residency not in (None, "resident", "layerwise"):
+        raise H3Error(f"residency must be 'resident' or 'layerwise' (or None to choose), got {residency!r}.")
     for c in components:
         c.prefetch = platform.default_prefetch
-        if c.streamable and platform.unified_memory:
-            c.residency = "layerwise"
+        if c.streamable and (platform.unified_memory or residency is not None):
+            c.residency = residency or "layerwise"
     by_name = {c.name: c for c in components}
-    for index in range(len(phases)):
+    for index in range(len(phases) if residency is None else 0):
         tried: set[str] = set()
         while budgeted(phase := estimate()[index]) > budget_bytes:
             candidates = [by_name[n] for n in phase.components
@@ -293,7 +433,10 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     dit_phase = next((i for i, spec in enumerate(phases) if spec.component == dit.name), None)
     chunk_budget = None
     if chunk_size is None and dit_phase is not None and budgeted(estimate()[dit_phase]) > budget_bytes:
-        chunk_budget = budget_bytes - (budgeted(estimate()[dit_phase]) - fused_temporaries)
+        phase = estimate()[dit_phase]
+        part = "blocks" if "blocks" in phase.parts else None  # the part the per-chunk temporaries live in
+        blocks = phase.part_bytes(part) if shared else phase.part_bytes(part, on_host=False)
+        chunk_budget = budget_bytes - (blocks - fused_temporaries)
         if chunk_budget < MIN_CHUNK_ROWS * row_bytes:
             chunk_budget = None  # reported below as not fitting
         else:
