@@ -29,14 +29,6 @@ LORA_TARGETS = (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_native(random_state(SMALL, seed=21), SMALL, tmp_path_factory.mktemp("step_cache") / "native")

@@ -35,9 +35,10 @@ def residency_manager(component: str, device: torch.device, residency: Residency
     check_admission({component: ComponentPlan(mode, str(device))}, Platform.for_device(device))
     if mode is Residency.RESIDENT:
         return None
-    # The transformer runs one pass per sampling step: reading the next pass's head during this one's tail pays.
-    # The encoders and decoders run once per request; their staging buffers are freed between requests instead.
-    repeated = component == "transformer"
+    # The transformer runs one pass per sampling step and the video decoder one per tile: reading the next pass's
+    # head during this one's tail pays. The text encoder and the audio decoder run once per request; their staging
+    # buffers are freed between requests instead.
+    repeated = component in ("transformer", "video_vae")
     return layerwise_manager(device, prefetch=prefetch, resident_blocks=resident_blocks,
                              prefetch_next_pass=None if repeated else False)
 
@@ -47,7 +48,9 @@ def companion_manager(manager: LayerwiseOffloadManager, *, prefetch: int = 0,
     """A second manager on `manager`'s device for units split off its blocks (`attach_layerwise(split=)`): no
     resident units, `prefetch` units ahead, and the same pin budget where the backend pins (one host bound for both).
     """
-    options = {}
+    # Its units are read once per request (the step cache's pass): their pages leave the page cache once read, so
+    # it keeps the blocks that every step reads again.
+    options = {"cache_budget_bytes": 0}
     budget = getattr(manager.backend, "pin_budget", None)
     if budget is not None:
         options["pin_budget"] = budget

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -104,10 +105,15 @@ class FileReader:
 
     def __init__(self):
         self._fds: dict[str, tuple[int, FileIdentity]] = {}
+        self._lock = threading.Lock()  # the reader and the disk advisor threads open files
         self.bytes_read = 0
         self.cancelled = False
 
     def _open(self, segment: FileSegment) -> int:
+        with self._lock:
+            return self._open_locked(segment)
+
+    def _open_locked(self, segment: FileSegment) -> int:
         entry = self._fds.get(segment.path)
         if entry is None:
             try:
@@ -128,22 +134,24 @@ class FileReader:
             raise changed_file_error(segment.path, why)
         return fd
 
-    def read_into(self, segment: FileSegment, target: torch.Tensor) -> None:
-        """Read the segment's bytes into `target` (a contiguous CPU tensor of exactly that many bytes)."""
+    def read_into(self, segment: FileSegment, target: torch.Tensor, start: int = 0) -> None:
+        """Read the segment's bytes from `start` on into `target` (a contiguous CPU tensor; as many bytes as it
+        holds, which must lie inside the segment)."""
         fd = self.check(segment)
         view = byte_view(target)
-        if len(view) != segment.nbytes:
-            raise ValueError(f"target holds {len(view)} bytes, the segment {segment.nbytes}")
+        nbytes = len(view)
+        if start < 0 or start + nbytes > segment.nbytes:
+            raise ValueError(f"bytes {start}..{start + nbytes} are outside the {segment.nbytes}-byte segment")
         done = 0
-        while done < segment.nbytes:
+        while done < nbytes:
             if self.cancelled:
                 return
-            step = min(READ_CHUNK_BYTES, segment.nbytes - done)
-            got = os.preadv(fd, [view[done: done + step]], segment.offset + done)
+            step = min(READ_CHUNK_BYTES, nbytes - done)
+            got = os.preadv(fd, [view[done: done + step]], segment.offset + start + done)
             if got <= 0:
                 raise changed_file_error(
-                    segment.path, f"reading {segment.nbytes} bytes at offset {segment.offset} stopped after {done}: "
-                    "the file is shorter than when it was opened")
+                    segment.path, f"reading {segment.nbytes} bytes at offset {segment.offset} stopped after "
+                    f"{start + done}: the file is shorter than when it was opened")
             done += got
         self.bytes_read += done
 
@@ -158,12 +166,13 @@ class FileReader:
             os.posix_fadvise(self._fds[segment.path][0], segment.offset, segment.nbytes, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        for fd, _ in self._fds.values():
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self._fds = {}
 
 
 def available_memory_bytes() -> int | None:

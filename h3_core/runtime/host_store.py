@@ -90,6 +90,16 @@ def _itemsize(dtype: torch.dtype) -> int:
 UnitRecipes = Mapping[str, HostTensor]
 
 
+def source_bytes(units: Sequence[UnitRecipes]) -> int:
+    """Bytes of the distinct host tensors the units' recipes are made from (a tensor shared by two counts once)."""
+    seen: dict[int, int] = {}
+    for recipes in units:
+        for recipe in recipes.values():
+            for s in recipe.sources:
+                seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.numel() * s.element_size())
+    return sum(seen.values())
+
+
 class HostStore(Protocol):
     """What every host store offers the layerwise manager and its backends."""
 
@@ -140,12 +150,7 @@ class HeldTensors:
     @property
     def host_bytes(self) -> int:
         """Bytes of the distinct host storages referenced (file-backed when they are memory maps)."""
-        seen: dict[int, int] = {}
-        for recipes in self._recipes:
-            for recipe in recipes.values():
-                for s in recipe.sources:
-                    seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.numel() * s.element_size())
-        return sum(seen.values())
+        return source_bytes(self._recipes)
 
     @property
     def pinned_bytes(self) -> int:

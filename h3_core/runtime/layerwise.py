@@ -224,6 +224,10 @@ class LayerwiseOffloadManager(BlockResidency):
         # Counters are read, never reset: other components and the caller keep their own view of the process peak.
         self._pass_start = (time.perf_counter(), self._read_counters(), disk_read_bytes(),
                             self.backend.platform.peak_allocated_bytes())
+        if getattr(self._store, "read_ahead", 0):
+            # Start reading the first blocks now: they arrive while the pass's non-block work runs (a no-op when the
+            # previous pass already read them).
+            self._store.prefetch_head()
         self._sample()
 
     def end_pass(self) -> None:

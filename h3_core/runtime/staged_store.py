@@ -30,10 +30,12 @@ import torch
 from .file_reads import FileReader, FileSegment, available_memory_bytes, segment_of
 from ..errors import ResidencyError
 from .host_store import (HostPinner, HostTensor, PinBudget, SlabEntry, UnitRecipes, UnitSlab, page_aligned_bytes,
-                         plan_slab, view_in)
+                         plan_slab, source_bytes, view_in)
 from .platform import Platform
 
 GiB = 1024 ** 3
+# Bytes read per piece of a tensor cast as it is read (small enough to stay in the CPU's caches).
+CAST_PIECE_BYTES = 4 * 1024 * 1024
 # Memory left to everything else when choosing which units stay in the page cache.
 CACHE_MARGIN_BYTES = 2 * GiB
 
@@ -86,6 +88,10 @@ class StagedReads:
             self._layouts.append(plan_slab([(n, r.dtype, r.shape, _contiguous_stride(r.shape)) for n, r in unit.items()]))
         self._reader = FileReader()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-unit-reader")
+        # Asks the kernel for the pages of the unit being read and of the one after it (WILLNEED may block while it
+        # queues the I/O, so not on the reader): the disk streams ahead while the reader copies and casts.
+        self._advisor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-disk-advice")
+        self._advised: set[int] = set()
         self.counters = ReadCounters()
         self._ring: list[torch.Tensor] = []
         self._ring_pinned: list[bool] = []
@@ -127,13 +133,8 @@ class StagedReads:
 
     @property
     def host_bytes(self) -> int:
-        """Bytes of the distinct host storages the units are made from (file-backed for memory maps)."""
-        seen: dict[int, int] = {}
-        for unit in self._recipes:
-            for recipe in unit.values():
-                for s in recipe.sources:
-                    seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.numel() * s.element_size())
-        return sum(seen.values())
+        """Bytes of the stored tensors the units are made from (file-backed: the checkpoint's own bytes)."""
+        return source_bytes(self._recipes)
 
     @property
     def staging_bytes(self) -> int:
@@ -214,14 +215,16 @@ class StagedReads:
     def _fill(self, unit: int, buffer: torch.Tensor) -> None:
         """Read `unit` from its files into `buffer` in its slot layout (cast, then combined, as HostTensor does)."""
         self._drop_pending()
-        for segment in self.unit_segments(unit):
-            self._reader.will_need(segment)
+        self._advise(unit)
         for entry, recipe in zip(self._layouts[unit][0], self._recipes[unit].values()):
             target = view_in(buffer, entry)
             single = recipe.sources[0] if len(recipe.sources) == 1 else None
             segment = None if single is None else segment_of(single)
             if recipe.combine is None and segment is not None and single.dtype == recipe.dtype:
                 self._reader.read_into(segment, target.view(-1).view(torch.uint8))  # straight into place
+                continue
+            if recipe.combine is None and segment is not None:
+                self._read_cast(segment, single.dtype, target)
                 continue
             raw = self._read_sources(recipe)
             into = getattr(recipe.combine, "into", None)
@@ -233,6 +236,35 @@ class StagedReads:
                 target.copy_(recipe.combine(*(value.to(recipe.dtype) for value in raw)))
         if unit not in self._keep_cached:
             self._pending_drop = self.unit_segments(unit)
+
+    def _advise(self, unit: int) -> None:
+        order = [u for u in self.streamed if u not in self.slabs]
+        wanted = [unit] + ([order[order.index(unit) + 1]] if unit in order[:-1] else [])
+        for u in wanted:
+            if u not in self._advised:
+                self._advised.add(u)
+                self._advisor.submit(self._will_need, u)
+        self._advised &= set(wanted)  # a unit read again later (next pass) is advised again
+
+    def _will_need(self, unit: int) -> None:
+        for segment in self.unit_segments(unit):
+            if self._reader.cancelled:
+                return
+            self._reader.will_need(segment)
+
+    def _read_cast(self, segment: FileSegment, dtype: torch.dtype, target: torch.Tensor) -> None:
+        """Read a stored tensor in pieces and cast each into its place: the pieces stay in the CPU's caches, and no
+        full-size copy of the stored bytes is ever made."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        piece = CAST_PIECE_BYTES // itemsize * itemsize
+        if self._scratch.numel() < min(piece, segment.nbytes):
+            self._scratch = torch.empty(min(piece, segment.nbytes), dtype=torch.uint8)
+        flat = target.view(-1)
+        for start in range(0, segment.nbytes, piece):
+            nbytes = min(piece, segment.nbytes - start)
+            raw = self._scratch[:nbytes]
+            self._reader.read_into(segment, raw, start)
+            flat[start // itemsize: (start + nbytes) // itemsize].copy_(raw.view(dtype))
 
     def _drop_pending(self) -> None:
         # Dropped one read later: the kernel's own read-ahead for this range may still be landing in the cache.
@@ -384,6 +416,7 @@ class StagedReads:
         self._closed = True
         self._reader.cancelled = True
         self._executor.shutdown(wait=True)
+        self._advisor.shutdown(wait=True)
         self._drop_pending()
         self._staged = {}
         if self._pinner is not None:
