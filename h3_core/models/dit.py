@@ -576,28 +576,30 @@ class H3DiT(nn.Module):
                            token_tags, position_ids, video_indices, audio_indices, text_indices)
         self._check_precomputed(encoder_hidden_states, timestep, refined_text, modulation)
         rows = position_ids.shape[0]
-        rope = self.rope(position_ids)
-
-        # Input projections; the fp32 islands run on fp32 rows and are rounded to the residual dtype afterwards.
-        text = self.refine_text(encoder_hidden_states) if refined_text is None else refined_text
-        video = self.video_patch_proj(hidden_states.to(self.video_patch_proj.weight.dtype))
-        audio = self.audio_patch_proj(audio_hidden_states.to(self.audio_patch_proj.weight.dtype))
-        x = text.new_zeros((text.shape[0], rows, text.shape[-1]))
-        x = x.index_copy(1, text_indices, text)
-        x = x.index_copy(1, video_indices, video.to(x.dtype))
-        x = x.index_copy(1, audio_indices, audio.to(x.dtype))
-        del text, video, audio  # now copied into x; alive through the blocks they would cost a full-length buffer
-
-        time_act = self.embed_time(timestep)
-        adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
-        chunks = (chunking or self.chunking).plan(rows, self.config, batch=x.shape[0], dtype=x.dtype, device=x.device)
         residency, adaln = self.block_residency, self.adaln_residency
         # The AdaLN projections streamed apart are fetched only when this call projects its own tables.
         apart = modulation is None and self.adaln_streamed_apart
         passes = (residency, adaln) if apart else (residency,)
+        # The passes begin before the input projections: streamed blocks start arriving while those run.
         for r in passes:
             r.begin_pass()
+        chunks = None
         try:
+            rope = self.rope(position_ids)
+            # Input projections; the fp32 islands run on fp32 rows and are rounded to the residual dtype afterwards.
+            text = self.refine_text(encoder_hidden_states) if refined_text is None else refined_text
+            video = self.video_patch_proj(hidden_states.to(self.video_patch_proj.weight.dtype))
+            audio = self.audio_patch_proj(audio_hidden_states.to(self.audio_patch_proj.weight.dtype))
+            x = text.new_zeros((text.shape[0], rows, text.shape[-1]))
+            x = x.index_copy(1, text_indices, text)
+            x = x.index_copy(1, video_indices, video.to(x.dtype))
+            x = x.index_copy(1, audio_indices, audio.to(x.dtype))
+            del text, video, audio  # now copied into x; alive through the blocks they would cost a full-length buffer
+
+            time_act = self.embed_time(timestep)
+            adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
+            chunks = (chunking or self.chunking).plan(rows, self.config, batch=x.shape[0], dtype=x.dtype,
+                                                      device=x.device)
             for i, block in enumerate(self.blocks):
                 if before_block is not None:
                     before_block(i)  # e.g. the caller's interrupt check, between blocks
@@ -612,7 +614,7 @@ class H3DiT(nn.Module):
                 x = block(x, time_act, adaln_index, rope, chunks, table=table)
                 residency.release(i)
         except torch.OutOfMemoryError as exc:
-            raise out_of_memory_error(exc, rows, chunks.size) from None
+            raise out_of_memory_error(exc, rows, chunks.size if chunks is not None else None) from None
         finally:
             for r in passes:
                 r.end_pass()  # also after an exception in a block: the next forward starts clean

@@ -292,12 +292,13 @@ class StagedReads:
             offset += size
         return values
 
-    def _read_job(self, unit: int, index: int, after) -> None:
+    def _read_job(self, unit: int, buffer: torch.Tensor, after) -> None:
+        # The buffer itself, not its ring index: `trim` may renumber the ring before this job runs.
         if after is not None:
             after.synchronize()  # a copy out of this buffer may still be running
         started = time.perf_counter()
         before = self._reader.bytes_read
-        self._fill(unit, self._ring[index])
+        self._fill(unit, buffer)
         self.counters.read_s += time.perf_counter() - started
         self.counters.bytes_read += self._reader.bytes_read - before
         self.counters.reads += 1
@@ -309,7 +310,7 @@ class StagedReads:
         if not self._free:
             return False
         index = self._free.pop(0)
-        future = self._executor.submit(self._read_job, unit, index, self._after.pop(index, None))
+        future = self._executor.submit(self._read_job, unit, self._ring[index], self._after.pop(index, None))
         self._staged[unit] = (index, future)
         return True
 
