@@ -17,15 +17,21 @@ GIB = 1 << 30
 
 
 class DevicePeak:
-    """Device memory over one node's run: started (peak counter reset) when created, read with `bytes()`."""
+    """Device memory over one node's run, read with `bytes()`. The process-wide peak counter is never reset (other
+    nodes and ComfyUI read it too): when it rose during the run, that is the run's peak; otherwise the run stayed
+    under an earlier peak and the larger of the allocations at its start and end is reported (a lower bound)."""
 
     def __init__(self, device: torch.device | str):
         self.ops = Platform.for_device(device)
-        self.ops.reset_peak()
+        self.start_peak, self.start_allocated = self.ops.peak_allocated_bytes(), self.ops.allocated_bytes()
 
     def bytes(self) -> int | None:
         peak = self.ops.peak_allocated_bytes()
-        return peak if peak is not None else self.ops.driver_bytes()
+        if peak is None:
+            return self.ops.driver_bytes()
+        if self.start_peak is None or peak > self.start_peak:
+            return peak
+        return max(self.start_allocated or 0, self.ops.allocated_bytes() or 0)
 
 
 def host_peak_bytes() -> int | None:

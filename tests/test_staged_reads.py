@@ -360,3 +360,25 @@ def test_cuda_store_anonymous_memory_is_ring_plus_budget_whatever_the_model_size
         budget = 4 * r["unit"]  # the ring's pins are drawn from it too
         assert r["growth"] <= 1.10 * (r["ring"] + budget + r["slots"]), (blocks, r)
     assert abs(results[24]["growth"] - results[12]["growth"]) <= 0.05 * results[12]["growth"] + 4 * 2 ** 20, results
+
+
+# ---- telemetry ----------------------------------------------------------------------------------------------------
+
+
+def test_passes_report_their_reads_and_never_reset_a_process_wide_peak(tmp_path, monkeypatch):
+    from h3_core.runtime.platform import Platform
+
+    def no_reset(self):
+        raise AssertionError("a pass reset the process-wide peak counter")
+
+    monkeypatch.setattr(Platform, "reset_peak", no_reset)
+    recipes, state = alternating_stack(tmp_path / "s.safetensors", 6)
+    blocks = linear_stack(6).to(torch.bfloat16)
+    manager = LayerwiseOffloadManager(SynchronousBackend("cpu", read_ahead=0)).attach(blocks, recipes)
+    run_passes(manager, blocks, torch.randn(3, 48, dtype=torch.bfloat16), 2)
+    last = manager.stats().last_pass
+    assert last.bytes_read == sum(t.numel() * t.element_size() for t in state.values())  # no read-ahead: exact
+    assert last.read_s > 0 and last.read_wait_s > 0 and last.seconds >= last.read_wait_s
+    assert last.read_gb_per_s is not None and last.read_gb_per_s > 0
+    if Path("/proc/self/io").exists():
+        assert last.disk_read_bytes is not None and last.disk_read_bytes >= 0
