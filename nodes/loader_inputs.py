@@ -8,9 +8,11 @@ from comfy_api.latest import io
 from . import comfy_runtime, model_sources
 from .memory_settings import DTYPES, LAYERWISE_OFFLOAD, RESIDENCIES, RESIDENT
 
-RESIDENCY_TOOLTIP = ("RESIDENT keeps every weight of the {what} on the device. LAYERWISE_OFFLOAD keeps its {blocks} in "
-                     "host memory (on Apple MPS: the memory-mapped files themselves) and moves them to the device one "
-                     "at a time.{extra} On MPS every component must be LAYERWISE_OFFLOAD.")
+RESIDENCY_TOOLTIP = ("RESIDENT keeps every weight of the {what} on the device, loaded through every phase and prompt. "
+                     "LAYERWISE_OFFLOAD keeps its {blocks} in host memory (on Apple MPS: the memory-mapped files "
+                     "themselves) and moves them to the device one at a time; it is released (device copies and host "
+                     "store) when a phase that does not run it starts, and loaded again when one does.{extra} On MPS "
+                     "every component must be LAYERWISE_OFFLOAD.")
 
 
 def _residency_input(name: str, what: str, blocks: str, default: str, extra: str = "") -> io.Combo.Input:
@@ -30,7 +32,7 @@ def loader_inputs() -> list:
                                "or Ref2VA (reference to video+audio)."),
         _residency_input("transformer_residency", "transformer (33B DiT)", "blocks", LAYERWISE_OFFLOAD),
         _residency_input("text_encoder_residency", "text encoder (Qwen3-VL)", "decoder layers",
-                         LAYERWISE_OFFLOAD, " It is also released right after encoding, before sampling."),
+                         LAYERWISE_OFFLOAD, " The text encoder goes right after encoding, before sampling."),
         _residency_input("video_vae_residency", "video VAE", "decoder blocks", RESIDENT),
         _residency_input("audio_vae_residency", "audio VAE", "upsampling stages", RESIDENT),
         io.Int.Input("prefetch", default=-1, min=-1, max=8,

@@ -69,7 +69,8 @@ class MemorySettings:
 
     @property
     def keep_text_encoder(self) -> bool:
-        """An offloaded text encoder is released right after encoding, before the transformer loads."""
+        """An offloaded text encoder is released right after encoding, before the transformer loads (like every
+        offloaded component, also when a phase that does not run it starts)."""
         return self.keeps("text_encoder")
 
     def keep_options(self) -> dict[str, bool]:

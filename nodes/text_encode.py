@@ -18,7 +18,8 @@ class H3StreamTextEncode(io.ComfyNode):
             display_name="H3 Text Encode",
             category="H3 Stream",
             description="Encodes the prompt (and the optional first / last keyframes, FL2VA) with H3's Qwen3-VL text "
-                        "encoder. An offloaded text encoder is released right after, before the transformer loads.",
+                        "encoder. An offloaded text encoder is released right after, before the transformer loads (every "
+                        "offloaded component is released when a phase that does not run it starts).",
             inputs=[
                 H3Model.Input("h3_model"),
                 io.String.Input("prompt", multiline=True, default="",
