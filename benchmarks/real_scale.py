@@ -181,7 +181,8 @@ def pass_figures(model) -> dict:
 
     managers = [m for m in (model.block_residency, getattr(model, "adaln_residency", None))
                 if isinstance(m, LayerwiseOffloadManager)]
-    out = {"bytes_read": 0, "read_s": 0.0, "read_wait_s": 0.0, "staging_bytes": 0, "largest_unit": 0}
+    out = {"bytes_read": 0, "read_s": 0.0, "read_wait_s": 0.0, "staging_bytes": 0, "largest_unit": 0,
+           "cached_units": []}
     for manager in managers:
         stats = manager.stats()
         p = stats.last_pass
@@ -190,6 +191,7 @@ def pass_figures(model) -> dict:
             out["read_s"] += p.read_s
             out["read_wait_s"] += p.read_wait_s
         out["staging_bytes"] += stats.extra.get("staging_bytes", 0)
+        out["cached_units"].append(stats.extra.get("cached_units", 0))
         store = manager.store
         # A block's units (its body, and its AdaLN projection streamed apart) add up to what one block materialises.
         out["largest_unit"] += max(store.unit_bytes(u) for u in range(len(store)))
@@ -359,7 +361,7 @@ def main() -> None:
               f"{full_cold['peak_anon'] / GiB:.2f} GiB | {bound / GiB:.2f} GiB |")
         seconds = ", ".join(f"{c['seconds']:.1f}" for c in loop["calls"])
         print("sampling calls, read from disk / files: " + ", ".join(f"{r:.2f}" for r in reread)
-              + f" (seconds: {seconds})")
+              + f" (seconds: {seconds}; units kept in the page cache per store: {loop['cached_units']})")
         goals = {
             "peak RssAnon within (read_ahead + 1) x unit + 1.5 GiB": full_cold["peak_anon"] <= bound,
             f"peak RssAnon flat ({args.mid_blocks} vs {args.blocks} blocks within 5 %)": flat <= GOAL_FLAT,

@@ -175,16 +175,24 @@ class FileReader:
                 pass
 
 
-def available_memory_bytes() -> int | None:
-    """Memory the kernel can give without swapping (Linux MemAvailable: free + reclaimable page cache)."""
+def _meminfo(field: str) -> int | None:
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel can give without swapping (Linux MemAvailable: free + reclaimable page cache)."""
+    return _meminfo("MemAvailable")
+
+
+def total_memory_bytes() -> int | None:
+    return _meminfo("MemTotal")
 
 
 def disk_read_bytes() -> int | None:

@@ -242,6 +242,8 @@ class LayerwiseOffloadManager(BlockResidency):
                 self._drop(slot)
         for index in sorted(head):
             self.prefetch(index)
+        if hasattr(self._store, "review_cache"):
+            self._store.review_cache()
         if self.read_next_pass and not in_use:
             self._store.prefetch_head()  # host-side reads ahead (staged stores)
         elif hasattr(self._store, "trim"):

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from .file_reads import FileReader, FileSegment, available_memory_bytes, segment_of
+from .file_reads import FileReader, FileSegment, available_memory_bytes, segment_of, total_memory_bytes
 from ..errors import ResidencyError
 from .host_store import (HostPinner, HostTensor, PinBudget, SlabEntry, UnitRecipes, UnitSlab, page_aligned_bytes,
                          plan_slab, source_bytes, view_in)
@@ -36,8 +36,10 @@ from .platform import Platform
 GiB = 1024 ** 3
 # Bytes read per piece of a tensor cast as it is read (small enough to stay in the CPU's caches).
 CAST_PIECE_BYTES = 4 * 1024 * 1024
-# Memory left to everything else when choosing which units stay in the page cache.
+# Memory left to everything else when choosing which units stay in the page cache: 2 GiB + 10 % of the RAM (the
+# activations, other processes; the kernel itself starts reclaiming before the memory is all used).
 CACHE_MARGIN_BYTES = 2 * GiB
+CACHE_MARGIN_FRACTION = 0.10
 
 
 def any_file_backed(recipes: Sequence[UnitRecipes | None]) -> bool:
@@ -105,6 +107,7 @@ class StagedReads:
         self._pinner = pinner
         self._pinned_reserved = 0
         self.slabs: dict[int, UnitSlab] = {}
+        self._cache_budget_request = cache_budget_bytes
         self._keep_cached = self._choose_cached(cache_budget_bytes)
         self._pending_drop: list[FileSegment] = []
         self._closed = False
@@ -155,11 +158,13 @@ class StagedReads:
     def _choose_cached(self, budget: int | None) -> frozenset[int]:
         sizes = {u: sum(seg.nbytes for seg in self.unit_segments(u)) for u in self.streamed}
         if budget is None:
-            available = available_memory_bytes()
-            if available is None:
+            available, total_ram = available_memory_bytes(), total_memory_bytes()
+            if available is None or total_ram is None:
                 return frozenset(self.streamed)
+            # The ring not allocated yet will come out of the memory available now (what is allocated already has).
             ring = self._ring_size * max((self.buffer_bytes(u) for u in self.streamed), default=0)
-            budget = available - ring - CACHE_MARGIN_BYTES
+            pending = max(0, ring - sum(b.numel() for b in self._ring))
+            budget = available - pending - CACHE_MARGIN_BYTES - int(CACHE_MARGIN_FRACTION * total_ram)
         elif budget < 0:  # asked never to drop
             return frozenset(self.streamed)
         if sum(sizes.values()) <= budget:
@@ -366,6 +371,12 @@ class StagedReads:
             self._after[staged.index] = after
         self._free.append(staged.index)
         self._top_up()
+
+    def review_cache(self) -> None:
+        """Choose again which units stay in the page cache, from the memory available now (between passes: the
+        activations, the ring and other processes have taken their share by then)."""
+        if self._cache_budget_request is None:
+            self._keep_cached = self._choose_cached(None)
 
     def prefetch_head(self) -> None:
         """Start reading the first units of the next pass (called when a pass ends)."""
