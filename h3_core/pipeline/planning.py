@@ -31,6 +31,8 @@ from .layout import AUDIO_CHANNELS, LatentShape
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
+# Hidden-wide rows per packed row the DiT holds beyond its counted buffers (calibrated, see `_dit_estimate`).
+DIT_UNCOUNTED_ROW_WIDTHS = 24
 # Sigma grid points assumed when the request does not say (the CLI's default for the released model).
 DEFAULT_STEPS = 50
 # What each phase runs, in order, when its component streams (`PhaseSpec.parts`): phase-scoped weight groups, the
@@ -54,13 +56,15 @@ def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]], mapped_of
     """Per-spec sizes grouped: streamed units, phase-scoped groups, the resident rest and its memory-mapped part."""
     units: dict = {}
     groups = {part: 0 for part in scoped}
-    fixed = fixed_mapped = mapped = 0
+    fixed = fixed_mapped = mapped = scratch = 0
     for spec in ckpt.specs:
         size = sizes(spec)
         mapped += size if mapped_of(spec) else 0
         unit = unit_of(spec.name)
         if unit is not None:
             units[unit] = units.get(unit, 0) + size
+            if spec.combine is not None or len(spec.keys) > 1:  # read whole into the reader's scratch, then combined
+                scratch = max(scratch, sum(-(-ckpt.files[k].nbytes(k) // 256) * 256 for k in spec.keys))
             continue
         fixed += size
         part = next((p for p, prefixes in scoped.items() if spec.name.startswith(prefixes)), None)
@@ -69,7 +73,7 @@ def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]], mapped_of
         elif mapped_of(spec):
             fixed_mapped += size
     return dict(units=units, fixed=fixed, scoped={p: b for p, b in groups.items() if b}, mapped=mapped,
-                fixed_mapped=fixed_mapped, total=fixed + sum(units.values()))
+                fixed_mapped=fixed_mapped, total=fixed + sum(units.values()), scratch=scratch)
 
 
 def _in_place(ckpt, target_of):
@@ -98,6 +102,10 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     element = _dtype_bytes(residual_dtype)
     # Full-length buffers every block keeps: residual in and out, K and V, the attention output, per-row modulation.
     full_length = rows * element * (3 * c.hidden_size + 2 * c.inner_dim + 6 * c.hidden_size // 3)
+    # Per-row buffers the count above misses, measured at the released widths on the CPU (both residencies,
+    # benchmarks/pipeline_phases.py: about 24 hidden-wide rows): the packed inputs and outputs, the RoPE tables, the
+    # attention kernel's work buffers. Not chunked away.
+    full_length += rows * element * DIT_UNCOUNTED_ROW_WIDTHS * c.hidden_size
     fused_temporaries = rows * element * projection_elements_per_row(c)
     # The step cache's AdaLN tables (host memory through the steps): every block's projection output for each
     # distinct timestep of every call (text and video, audio, and the keyframes' condition rows).
@@ -110,7 +118,8 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
                                  companion_unit_bytes=max(adaln.values(), default=0), mapped_bytes=g["mapped"],
-                                 fixed_mapped_bytes=g["fixed_mapped"], host_table_bytes=tables)
+                                 fixed_mapped_bytes=g["fixed_mapped"], host_table_bytes=tables,
+                                 scratch_bytes=g["scratch"])
     return estimate, c, rows
 
 
@@ -137,7 +146,7 @@ def _text_encoder_estimate(source, layer: int, dtype=None) -> ComponentEstimate:
     activations = TEXT_ROWS_ESTIMATE * 4 * (8 * hidden + 2 * ckpt.config.language.intermediate_size)
     return ComponentEstimate("text_encoder", g["total"], max(g["units"].values(), default=0), g["fixed"],
                              activations, streamable=True, scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
-                             fixed_mapped_bytes=g["fixed_mapped"])
+                             fixed_mapped_bytes=g["fixed_mapped"], scratch_bytes=g["scratch"])
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
@@ -161,7 +170,9 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             clip_pixels = 17 * shape.height * shape.width * 3 * 4
             tile_tokens = 7 * 16 * 16
             width = c.decoder_num_heads * c.decoder_head_dim
-            activations = clip_pixels + tile_tokens * 4 * (8 * width + 3 * c.decoder_ffn_dim) \
+            # Calibrated on the released widths (benchmarks/pipeline_phases.py): about 12 token-wide and 5 MLP-wide
+            # float32 rows per token alive at a block's peak (attention q / k / v / output and norms, MLP in / out).
+            activations = clip_pixels + tile_tokens * 4 * (12 * width + 5 * c.decoder_ffn_dim) \
                 + tile_tokens * 4 * 16 * 16 * 3 * 4
         else:
             c = ckpt.config
@@ -170,17 +181,17 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             activations = 6 * 4 * samples * max(8, c.decoder_dim // 2 ** len(c.decoder_rates)) * 2
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
                                      streamable=bool(g["units"]), scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
-                                     fixed_mapped_bytes=g["fixed_mapped"]))
+                                     fixed_mapped_bytes=g["fixed_mapped"], scratch_bytes=g["scratch"]))
     return out
 
 
 def _keyframe_activations(video_source, shape: LatentShape) -> int:
     """Encoding one keyframe (they are encoded one at a time): its pixels twice (as given and normalised) and one
     encoder tile (256 px, or the image when smaller) at the first level's width over the causal convolution's 3
-    padded frames, about 6 such tensors."""
+    padded frames, about 4 such tensors (measured at the released widths: benchmarks/pipeline_phases.py)."""
     c = resolve_video_vae_checkpoint(video_source).config
     tile = min(256, shape.height) * min(256, shape.width)
-    return 2 * shape.height * shape.width * 3 * 4 + 6 * 3 * tile * c.block_out_channels[0] * 4
+    return 2 * shape.height * shape.width * 3 * 4 + 4 * 3 * tile * c.block_out_channels[0] * 4
 
 
 def check_keep(keep) -> tuple[str, ...]:
