@@ -24,6 +24,9 @@ from ..errors import H3Error
 from .platform import Platform
 
 GiB = 1 << 30
+# Components that run many passes per request and keep their staging ring between them, reading the next pass's
+# head (`checkpoints.placement.residency_manager`); the others free it after each pass.
+REPEATED_PASSES = ("transformer", "video_vae")
 # Smallest chunk the planner considers: below this per-chunk overhead dominates.
 MIN_CHUNK_ROWS = 64
 
@@ -46,7 +49,9 @@ class ComponentEstimate:
     `unit_bytes` is then the largest block without it. `mapped_bytes` / `fixed_mapped_bytes`: of all weights (a
     resident load) / of the fixed weights that are not phase-scoped (a streamed one), those the CPU uses straight from
     the checkpoint's memory maps (stored in the compute dtype, no combine: file-backed pages, not a copy).
-    `host_table_bytes`: host memory the component's blocks part holds (the DiT's step-cache AdaLN tables)."""
+    `host_table_bytes`: host memory the component's blocks part holds (the DiT's step-cache AdaLN tables).
+    `scratch_bytes`: the staging reader's scratch, which holds the stored tensors a combined parameter is made from
+    (the fused QKV's de-interleave) while the ring lives."""
 
     name: str
     total_bytes: int  # all weights
@@ -61,6 +66,7 @@ class ComponentEstimate:
     mapped_bytes: int = 0
     fixed_mapped_bytes: int = 0
     host_table_bytes: int = 0
+    scratch_bytes: int = 0  # the staging reader's scratch: the stored bytes of its largest combined tensor (QKV)
 
     @property
     def slots(self) -> int:
@@ -176,7 +182,7 @@ class PhaseEstimate:
 
 
 def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int | None, platform: Platform, *,
-                  during: str | None = None, stack: str = "") -> list[PhaseItem]:
+                  during: str | None = None, stack: str = "", scratch: int = 0) -> list[PhaseItem]:
     """The device slots of a streamed stack (`slots` units of `unit` bytes) and its staging ring, per platform:
 
     * the CPU as the device: the ring's buffers are the device tensors (`read_ahead + slots` buffers): the slots,
@@ -185,7 +191,7 @@ def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int |
     * CUDA: fixed device slots, and one page-locked ring of `max(1, read_ahead) + 1` buffers.
 
     `read_ahead` None: no ring (units are materialised from the memory maps). `stack` prefixes the labels ("AdaLN"
-    for the DiT's second stack)."""
+    for the DiT's second stack); `scratch`: the reader's scratch (host memory beside the ring)."""
     prefix = f"{stack} " if stack else ""
     items = [PhaseItem(c.name, f"{prefix}slots", slots * unit, during=during)]
     if read_ahead is None or not unit:
@@ -197,6 +203,7 @@ def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int |
     else:
         ring, label = (read_ahead + 1) * unit, "staging"
     items.append(PhaseItem(c.name, f"{prefix}{label}", ring, on_host=True, during=during))
+    items.append(PhaseItem(c.name, f"{prefix}reader scratch", scratch, on_host=True, during=during))
     return items
 
 
@@ -221,11 +228,11 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     # stay allocated; on the CPU / MPS only the transformer's, which reads the next pass's head, when kept).
     items = _weights(c, c.resident_fixed_bytes, c.fixed_mapped_bytes, platform)
     items.append(PhaseItem(c.name, "host store", c.host_store_bytes(copying), on_host=True))
-    repeated = c.companion_unit_bytes > 0 or c.name == "transformer"
+    repeated = c.name in REPEATED_PASSES
     persistent = copying or (kept and repeated and read_ahead is not None)
     if spec is None:
         if persistent:
-            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform)
+            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform, scratch=c.scratch_bytes)
             items += ring if copying or platform.host_is_device else ring[1:]
         if copying and c.companion_unit_bytes:
             items += staging_items(c, c.companion_unit_bytes, 1, read_ahead, platform, stack="AdaLN")
@@ -239,7 +246,8 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     for part in parts:
         during = None if single else part
         if part == "blocks":
-            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform, during=during)
+            ring = staging_items(c, c.unit_bytes, c.slots, read_ahead, platform, during=during,
+                                 scratch=c.scratch_bytes)
             if persistent:  # alive through the whole phase
                 ring = [dataclasses.replace(i, during=None) for i in ring]
             items += ring + [PhaseItem(c.name, "activations", activations, during=during),
