@@ -372,6 +372,12 @@ class StagedReads:
         self._free.append(staged.index)
         self._top_up()
 
+    def set_cache_budget(self, cache_budget_bytes: int | None) -> None:
+        """Change the page-cache budget (None: from the memory available at each pass boundary; < 0: drop nothing;
+        0: keep nothing)."""
+        self._cache_budget_request = cache_budget_bytes
+        self._keep_cached = self._choose_cached(cache_budget_bytes)
+
     def review_cache(self) -> None:
         """Choose again which units stay in the page cache, from the memory available now (between passes: the
         activations, the ring and other processes have taken their share by then)."""
