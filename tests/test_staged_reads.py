@@ -382,3 +382,19 @@ def test_passes_report_their_reads_and_never_reset_a_process_wide_peak(tmp_path,
     assert last.read_gb_per_s is not None and last.read_gb_per_s > 0
     if Path("/proc/self/io").exists():
         assert last.disk_read_bytes is not None and last.disk_read_bytes >= 0
+
+
+def test_a_dropped_component_gives_nothing_back_to_host_memory(tmp_path):
+    """`close(restore=False)` (what `H3Pipeline.release` calls) leaves the parameters on their placeholders: restoring
+    cast or combined weights would copy the whole component into host memory just before it is dropped."""
+    path = tmp_path / "s.safetensors"
+    write_stack(path, 4, rows=256, cols=256)
+    stack = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+    manager = LayerwiseOffloadManager(SynchronousBackend("cpu")).attach(stack, stack_recipes(path, 4))  # bf16 -> fp32
+    run_passes(manager, stack, torch.randn(2, 256), 1)
+    manager.close(restore=False)
+    assert all(p.numel() == 1 for p in stack.parameters())
+    stack = nn.ModuleList(nn.Linear(256, 256) for _ in range(4))
+    manager = LayerwiseOffloadManager(SynchronousBackend("cpu")).attach(stack, stack_recipes(path, 4))
+    manager.close()  # the default gives every parameter its (cast) host value back
+    assert all(p.dtype == torch.float32 and p.numel() > 1 for p in stack.parameters())

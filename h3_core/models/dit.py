@@ -427,12 +427,12 @@ class H3DiT(nn.Module):
         self.lora_fold = None
         self.weight_recipes: dict = {}
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Give streamed weights back to their host store (restoring the original parameters); the model is then
-        fully resident on the host store's device."""
-        self.block_residency.close()
-        self.adaln_residency.close()
-        self.weight_phases.close()
+        fully resident on the host store's device. `restore=False` drops them instead (`H3Pipeline.release`)."""
+        self.block_residency.close(restore)
+        self.adaln_residency.close(restore)
+        self.weight_phases.close(restore)
 
     def streamed_parameter_names(self) -> frozenset[str]:
         """Parameters a residency materialises (streamed blocks and AdaLN projections, kept blocks, phase-scoped

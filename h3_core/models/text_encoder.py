@@ -393,13 +393,13 @@ class TextEncoder(nn.Module):
             positions = text_positions(ids.numel(), device)
         return self.language_model(x, positions, visual_rows, deepstack)[0]
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
         (the memory map; on the CPU), and the forward then runs with all weights where they are. A resident encoder
-        has nothing to release. `H3Pipeline.release` calls this."""
-        self.language_model.block_residency.close()
+        has nothing to release. `H3Pipeline.release` calls this with `restore=False` (the encoder is dropped)."""
+        self.language_model.block_residency.close(restore)
         self.language_model.block_residency = AllResident(len(self.language_model.layers))
-        self.weight_phases.close()
+        self.weight_phases.close(restore)
         self.weight_phases = PhaseScopedWeights()
 
     @torch.no_grad()

@@ -561,13 +561,13 @@ class VideoVAE(nn.Module):
     def device(self) -> torch.device:
         return self.post_quant_conv.weight.device
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
         (on the CPU), and the model then runs with all weights where they are. A resident VAE has nothing to
-        release. `H3Pipeline.release` calls this."""
-        self.decoder.block_residency.close()
+        release. `H3Pipeline.release` calls this with `restore=False` (the VAE is dropped)."""
+        self.decoder.block_residency.close(restore)
         self.decoder.block_residency = AllResident(len(self.decoder.transformer_blocks))
-        self.weight_phases.close()
+        self.weight_phases.close(restore)
         self.weight_phases = PhaseScopedWeights()
 
     def _channel_stats(self, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -146,7 +146,7 @@ class H3Pipeline:
         if component is not None:
             close = getattr(component, "close", None)
             if callable(close):
-                close()
+                close(restore=False)  # dropped: giving streamed weights back would only copy them to host memory
             del component
             gc.collect()
 

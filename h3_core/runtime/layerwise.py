@@ -151,8 +151,11 @@ class LayerwiseOffloadManager(BlockResidency):
             self._total_h2d += nbytes
         return self
 
-    def close(self) -> None:
-        """Give every parameter back its host tensor (same Parameter objects); free slots, events and pins."""
+    def close(self, restore: bool = True) -> None:
+        """Give every parameter back its host tensor (same Parameter objects); free slots, events and pins.
+
+        `restore=False` leaves the parameters bound to placeholders, for a model that is being dropped: giving them
+        back would make every cast or combined tensor (fp16 -> fp32, de-interleaved QKV) in host memory at once."""
         if not self._attached:
             return
         if self._in_pass:
@@ -162,7 +165,7 @@ class LayerwiseOffloadManager(BlockResidency):
                 self._slots.discard(slot)
                 self.backend.discard(slot)
         self.backend.close()
-        for i, unit in enumerate(self._params):
+        for i, unit in enumerate(self._params if restore else ()):
             for name, p in unit.items():
                 original = self._store.original(i, name)
                 device = self._restore_devices[i][name]

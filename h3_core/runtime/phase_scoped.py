@@ -61,8 +61,8 @@ class PhaseScopedWeights:
     def stats(self) -> ResidencyStats | None:
         return None if self._manager is None else self._manager.stats()
 
-    def close(self) -> None:
+    def close(self, restore: bool = True) -> None:
         if self._manager is not None:
-            self._manager.close()
+            self._manager.close(restore)
             self._manager = None
             self.names = ()

@@ -84,7 +84,8 @@ class BlockResidency:
     def stats(self) -> ResidencyStats:
         raise NotImplementedError
 
-    def close(self) -> None: ...
+    def close(self, restore: bool = True) -> None:
+        """Stop managing the weights; `restore=False` when the model is being dropped (nothing is given back)."""
 
     @contextlib.contextmanager
     def pass_scope(self):
