@@ -14,6 +14,7 @@ from the page cache (`posix_fadvise` DONTNEED; the writer fsyncs them):
 1. cold sequential read of the files (32 MiB preads): the disk's GB/s, in this run;
 2. warm compute: one layerwise forward with every page cached, at two block counts that fit in the RAM; per-block
    time = the difference / the block difference, extrapolated to the full model;
+   (compute threads: all cores but one by default, `--threads`; the reader thread needs a core)
 3. cold layerwise forward of 12 and of all blocks: wall time, peak RssAnon (sampled every 10 ms), the pass's reads;
    overlap = max(compute, io) / wall, io = file bytes / cold read GB/s;
 4. a 3-call sampling loop (`h3_core.denoise`, the schedule's step-invariant work cached) from a cold cache: the bytes
@@ -294,7 +295,9 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the synthetic files")
     parser.add_argument("--dtype", default=None, help="compute dtype (default float32 on the CPU, bfloat16 else)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    # Compute threads: all cores but one, which the reader thread needs for its copies and casts (on 2 cores a
+    # second compute thread made the warm forward 12 % faster, the cold one 2 %: it competes with the reader).
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     parser.add_argument("--frames", type=int, default=2)
     parser.add_argument("--latent-hw", type=int, default=16)
     parser.add_argument("--audio-latents", type=int, default=24)
