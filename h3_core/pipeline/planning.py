@@ -179,6 +179,11 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             # Largest stage of the upsampler: channels halve as the length grows by the rate; x2 anti-alias resampling.
             samples = 800 * shape.audio_latents * AUDIO_CHANNELS
             activations = 6 * 4 * samples * max(8, c.decoder_dim // 2 ** len(c.decoder_rates)) * 2
+            # On the CPU every Conv1d / ConvTranspose1d call has oneDNN reorder its float32 weight into a temporary
+            # of the same size (measured per call at the released widths); the largest is conv_pre's
+            # (latent_dim x decoder_dim x 7, 56 MiB), held beside that stage's activations.
+            activations += max(m.weight.numel() for m in decoder.modules()
+                               if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))) * 4
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
                                      streamable=bool(g["units"]), scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
                                      fixed_mapped_bytes=g["fixed_mapped"], scratch_bytes=g["scratch"]))
