@@ -39,6 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from h3_core.runtime.file_reads import disk_read_bytes as disk_read, total_memory_bytes  # noqa: E402
+
 GiB = 1024 ** 3
 READ_CHUNK = 32 * 1024 * 1024
 GOAL_OVERLAP = 0.90
@@ -54,13 +56,6 @@ def proc_status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def mem_total() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemTotal")
 
 
 def shard_files(folder: Path) -> list[Path]:
@@ -113,13 +108,6 @@ class AnonSampler:
         self._thread.join()
         self.peak = max(self.peak, proc_status("RssAnon"))
         return self.peak
-
-
-def disk_read() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise RuntimeError("no /proc/self/io")
 
 
 # ---- children -------------------------------------------------------------------------------------------------------
@@ -321,7 +309,7 @@ def main() -> None:
 
     out = Path(args.out)
     full = out / "transformer"
-    ram = mem_total()
+    ram = total_memory_bytes()
     if not (full / "config.json").exists():
         print(f"writing {args.blocks} released blocks under {full} ...", flush=True)
         started = time.perf_counter()

@@ -9,3 +9,19 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # The tiny test models gain nothing from threads, and OpenMP threads spinning on a busy 2-core machine slow small
 # kernels down by orders of magnitude. Subprocesses (CLI tests) inherit these settings.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402  (after the settings above: pytest does not import torch)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """One cache folder for the embedded tiny model, shared by the test modules that run it end to end."""
+    return tmp_path_factory.mktemp("h3cache")
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_cache):
+    """The embedded tiny default model's folder (written once per session)."""
+    from h3_core.pipeline.tiny_default import ensure_tiny_model  # imported here: torch comes after the settings
+
+    return ensure_tiny_model(tiny_cache)

@@ -21,16 +21,6 @@ SHAPE = h3_core.LatentShape.for_request(64, 32, 5)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("h3cache")
-
-
-@pytest.fixture(scope="module")
-def tiny(cache):
-    return ensure_tiny_model(cache)
-
-
-@pytest.fixture(scope="module")
 def lora(tiny):
     return tiny / "loras" / TINY_LORA
 
@@ -117,9 +107,9 @@ def test_parse_lora(lora, tmp_path):
 
 
 @pytest.fixture
-def recorded(cache, monkeypatch):
+def recorded(tiny_cache, monkeypatch):
     """The CLI in this process on the tiny model; what reached load_dit and the pipeline's generate."""
-    monkeypatch.setenv("H3_STREAM_CACHE", str(cache))
+    monkeypatch.setenv("H3_STREAM_CACHE", str(tiny_cache))
     seen = {}
     real_load, real_generate = pipeline_module.load_dit, H3Pipeline.generate
 
@@ -164,8 +154,8 @@ def test_cli_flags_given_win_over_the_lora_and_shifts_are_recommended_too(tiny, 
     assert recorded["load_dit"]["loras"] == [(lora, 1.0), (shifted, 1.0)]
 
 
-def test_cli_lora_errors_are_one_line(lora, tmp_path, cache, monkeypatch, capsys):
-    monkeypatch.setenv("H3_STREAM_CACHE", str(cache))
+def test_cli_lora_errors_are_one_line(lora, tmp_path, tiny_cache, monkeypatch, capsys):
+    monkeypatch.setenv("H3_STREAM_CACHE", str(tiny_cache))
     not_a_lora = tmp_path / "weights.safetensors"
     save_file({"blocks.0.attn.qkv_proj.weight": torch.zeros(2, 2)}, str(not_a_lora))
     for value, message in ((f"{lora}:x", f"error: --lora {lora}:x: strength 'x' is not a number"),

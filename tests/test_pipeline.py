@@ -23,16 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("h3cache")
-
-
-@pytest.fixture(scope="session")
-def tiny(tiny_cache):
-    return ensure_tiny_model(tiny_cache)
-
-
-@pytest.fixture(scope="session")
 def pipeline(tiny):
     pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
     yield pipe
