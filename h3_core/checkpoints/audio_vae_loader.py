@@ -22,6 +22,7 @@ from ..errors import CheckpointError
 from ..models.audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN,
                                 PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD, WEIGHT_NORM_MODULES, AudioVAE,
                                 AudioVAEConfig, fold_weight_norm)
+from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files,
                          read_json, resolve_source, shape_reader)
@@ -244,4 +245,5 @@ def load_audio_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtyp
         model = AudioVAE(ckpt.config)
     blocks = [tuple(f"decoder.{p}" for p in model.decoder.stage_prefixes(i)) for i in range(len(model.decoder.ups))]
     populate(model, ckpt, device, manager, blocks, AUDIO_PHASE_SCOPED)
+    model.decoder.between_blocks = Platform.for_device(device).trim_host_heap
     return model

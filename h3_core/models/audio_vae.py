@@ -12,12 +12,14 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3Error
+from ..runtime.chunking import no_reclaim
 from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.residency import AllResident
 
@@ -391,6 +393,9 @@ class AudioDecoder(nn.Module):
         # Where each upsampling stage's weights (`ups.i` with its AMP blocks) live during a forward;
         # load_audio_vae(residency="layerwise") replaces it with a manager that streams the stages.
         self.block_residency = AllResident(len(c.decoder_rates))
+        # Runs after every AMP block; the loader sets the platform's host-heap trim (CPU: the blocks' freed
+        # mid-size buffers would otherwise stay in the C heap and multiply its resident memory).
+        self.between_blocks: Callable[[], None] = no_reclaim
 
     def stage_prefixes(self, stage: int) -> tuple[str, ...]:
         """Parameter-name prefixes (relative to the decoder) of upsampling stage `stage`: its upsampler and the
@@ -410,6 +415,8 @@ class AudioDecoder(nn.Module):
                 for block in self.resblocks[i * self.num_kernels:(i + 1) * self.num_kernels]:
                     out = block(x)
                     total = out if total is None else total + out
+                    del out
+                    self.between_blocks()
                 x = total / self.num_kernels
                 residency.release(i)
         finally:
