@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import h3_core
+from h3_core.checkpoints.safetensors_io import SafetensorsFile
 from h3_fixtures import (TINY, TINY_B, cast_like_release, packed_inputs, reference_model, rel_l2, save_comfy,
                          save_diffusers, save_native)
 
@@ -125,15 +126,17 @@ def test_requested_dtype_keeps_fp32_islands(fp32_checkpoints):
     assert rel_l2(video, fp32_video) > 0
 
 
-def test_stored_dtype_on_cpu_is_memory_mapped(fp32_checkpoints):
-    """With the checkpoint's dtypes on the CPU, parameters are the file's pages: no copy of the weights is made."""
+def test_resident_weights_are_read_into_the_processs_own_memory(fp32_checkpoints):
+    """A resident load reads every weight explicitly (never a view of the memory map), so the loaded model no longer
+    depends on its file: with the stored dtype on the CPU too, the weights equal the file's tensors."""
     _, _, paths = fp32_checkpoints
     model = h3_core.load_dit(paths["comfy"])
     weight = model.blocks[0].mlp.fc2.weight
-    # A private file mapping has no resizable allocator-owned buffer behind it.
-    assert not weight.untyped_storage().resizable()
-    copied = h3_core.load_dit(paths["comfy"], dtype=torch.float64)
-    assert copied.blocks[0].mlp.fc2.weight.untyped_storage().resizable()
+    # A private file mapping has no resizable allocator-owned buffer behind it; a read copy does.
+    assert weight.untyped_storage().resizable()
+    stored = SafetensorsFile(paths["comfy"])
+    key = next(k for k in stored.keys() if k.endswith("blocks.0.mlp.fc2.weight"))
+    assert torch.equal(weight, stored.tensor(key))
 
 
 def test_forward_rejects_inconsistent_inputs(fp32_checkpoints):

@@ -5,7 +5,8 @@ de-interleave it: a copy) is loaded with `residency="layerwise"` on the CPU used
 runs. In a fresh process, the growth of anonymous memory (RssAnon in /proc/self/status: pages not backed by a file)
 from before `load_dit` to after the forward must stay under 15 % of the file size and must not grow with the
 number of blocks (8 vs 16): the host store reads the file itself, and only the staging ring (read_ahead + 1 = 2
-blocks, bound as the device tensors on the CPU) is ever materialised. A resident load of the same file is the control showing that the measurement sees copies.
+blocks, bound as the device tensors on the CPU) is ever materialised. A resident load of the same file (every weight
+read into the process's own memory) is the control showing that the measurement sees copies.
 
 Raw RssAnon also counts freed heap pages glibc keeps for reuse (the transient copies of one block and of the text
 refiner: 27-45 MB, varying with heap layout), so the comparisons use the memory in use, read after malloc_trim(0).
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from h3_core.checkpoints.dit_loader import _offloaded
 from h3_core.models.dit_config import H3DiTConfig
 from offload_fixtures import random_state, save_native
 
@@ -105,6 +107,7 @@ def measure(*runs: tuple) -> list[dict]:
 def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     block_bytes = sum(v.numel() * 4 for k, v in random_state(
         H3DiTConfig(**{**BIG.__dict__, "num_layers": 1, "num_refiner_layers": 0})).items() if k.startswith("blocks."))
+    fixed_bytes = sum(v.numel() * 4 for k, v in random_state(BIG).items() if not _offloaded(k))
     layerwise_8, layerwise_16, resident = measure((checkpoints[8], "layerwise"), (checkpoints[16], "layerwise"),
                                                   (checkpoints[16], "resident"))
     runs = {8: layerwise_8, 16: layerwise_16}
@@ -118,16 +121,19 @@ def test_layerwise_load_and_forward_keep_anonymous_memory_flat(checkpoints):
     assert runs[16]["file"] > 400e6
     assert runs[16]["growth"] < 0.15 * runs[16]["file"]
     for run in runs.values():
-        assert run["loaded"] - run["before"] < 0.01 * run["file"]  # loading itself copies nothing
+        # Loading reads only the weights that stay on the device (norms, embeddings, output layer: read into the
+        # process's own memory, a few MB whatever the block count, plus the module's own objects); the streamed
+        # ones are not touched.
+        assert run["loaded"] - run["before"] < fixed_bytes + (2 << 20) < 0.025 * run["file"]
         assert run["in_use"] < 2.5 * block_bytes  # the staging ring of 2 blocks, whatever the block count
         assert run["second_in_use"] - run["after_in_use"] < 0.1 * block_bytes  # a second pass adds nothing
+    assert abs((runs[16]["loaded"] - runs[16]["before"]) - (runs[8]["loaded"] - runs[8]["before"])) < 1 << 20
     # 8 more blocks (210 MB more file) add less than a tenth of one block in anonymous memory in use.
     assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes
-    # Control: the resident loader de-interleaves every fused QKV weight (a copy), and the probe sees it.
-    qkv_bytes = 16 * 3 * BIG.inner_dim * BIG.hidden_size * 4
+    # Control: the resident loader reads every weight into the process's own memory, and the probe sees it.
     print(f"control, resident 16 blocks: RssAnon +{resident['growth'] / 1e6:.1f} MB, "
-          f"+{resident['in_use'] / 1e6:.1f} MB in use (QKV copies {qkv_bytes / 1e6:.0f} MB)")
-    assert resident["in_use"] > 0.9 * qkv_bytes > runs[16]["in_use"]
+          f"+{resident['in_use'] / 1e6:.1f} MB in use (file {resident['file'] / 1e6:.0f} MB)")
+    assert resident["in_use"] > 0.9 * resident["file"] > 5 * runs[16]["in_use"]
 
 
 def write_block_lora(path: Path, config: H3DiTConfig, rank: int = 16) -> Path:
@@ -153,6 +159,7 @@ def test_a_lora_on_every_block_keeps_layerwise_memory_flat(checkpoints, tmp_path
     weights, and no growth with the number of blocks."""
     block_bytes = sum(v.numel() * 4 for k, v in random_state(
         H3DiTConfig(**{**BIG.__dict__, "num_layers": 1, "num_refiner_layers": 0})).items() if k.startswith("blocks."))
+    fixed_bytes = sum(v.numel() * 4 for k, v in random_state(BIG).items() if not _offloaded(k))
     loras = {n: write_block_lora(tmp_path / f"lora{n}.safetensors", H3DiTConfig(**{**BIG.__dict__, "num_layers": n}))
              for n in (8, 16)}
     runs = dict(zip((8, 16), measure((checkpoints[8], "layerwise", loras[8]), (checkpoints[16], "layerwise",
@@ -160,7 +167,7 @@ def test_a_lora_on_every_block_keeps_layerwise_memory_flat(checkpoints, tmp_path
     for n, run in runs.items():
         print(f"{n} blocks + LoRA ({loras[n].stat().st_size / 1e6:.0f} MB): RssAnon +{run['in_use'] / 1e6:.1f} MB in "
               f"use after one forward ({100 * run['in_use'] / run['file']:.1f} % of the file)")
-        assert run["loaded"] - run["before"] < 0.01 * run["file"]
+        assert run["loaded"] - run["before"] < fixed_bytes + (2 << 20)  # the fixed weights, as without a LoRA
         assert run["in_use"] < 2.5 * block_bytes  # the staging ring of 2 blocks, whatever the block count
         assert run["second_in_use"] - run["after_in_use"] < 0.1 * block_bytes
     assert abs(runs[16]["in_use"] - runs[8]["in_use"]) < 0.1 * block_bytes

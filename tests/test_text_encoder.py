@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from h3_core import load_text_encoder
 from h3_core.errors import CheckpointError, H3Error, PickleCheckpointError
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
+from h3_core.runtime.file_reads import FileReader
 from h3_core.models.vision_tower import ImageProcessorConfig, fit_to_patch_grid, prepare_image
 from text_encoder_fixtures import (
     IMAGE_PAD_ID, TINY_TEXT_CONFIG, comfy_state, reference_config, reference_image_processor, reference_model,
@@ -301,10 +302,11 @@ def test_upper_layers_are_never_read(setup, monkeypatch):
     never = state_keys - needed
     assert any(k.startswith("model.language_model.layers.5.") for k in never) and "lm_head.weight" in never
     assert "model.language_model.norm.weight" in never
-    # On the CPU with the stored dtype the weights stay views of the memory map (no copy).
+    # Resident weights are read into the process's own memory (never views of the memory map), as stored.
     key = "model.language_model.layers.0.mlp.up_proj.weight"
     owner = next(f for f in map(SafetensorsFile, encoder.checkpoint_files) if key in f)
-    assert encoder.language_model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() == owner.file_size
+    weight = encoder.language_model.layers[0].mlp.up_proj.weight
+    assert weight.untyped_storage().nbytes() == weight.nbytes and torch.equal(weight, owner.tensor(key))
 
 
 def mapped_resident_bytes(path: Path) -> int:
@@ -321,8 +323,9 @@ def mapped_resident_bytes(path: Path) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads the mapping's Rss from /proc/self/smaps")
-def test_upper_layers_never_become_resident(setup, tmp_path):
-    """A ComfyUI-style file with 9 layers read at layer=1: the 8 unused layers are never paged into memory."""
+def test_upper_layers_are_never_read_or_paged_in(setup, tmp_path, monkeypatch):
+    """A ComfyUI-style file with 9 layers read at layer=1: the loader reads the used weights explicitly and nothing
+    of the 8 unused layers; no page of the memory map is touched."""
     intermediate, layers = 4096, 9
     config = reference_config(num_layers=layers, vision=False).to_dict()
     config["text_config"]["intermediate_size"] = intermediate
@@ -349,15 +352,21 @@ def test_upper_layers_never_become_resident(setup, tmp_path):
     layer_bytes = sum(v.numel() * 4 for k, v in state.items() if k.startswith("model.layers.0."))
     unused_bytes = (layers - 1) * layer_bytes
 
+    read = []
+    real_read_into = FileReader.read_into
+
+    def counting(self, segment, target, start=0):
+        read.append(target.numel() * target.element_size())
+        return real_read_into(self, segment, target, start)
+
+    monkeypatch.setattr(FileReader, "read_into", counting)
     encoder = load_text_encoder(path, tokenizer=setup["tokenizer"], config=config_path, layer=1)
-    assert mapped_resident_bytes(path) < 256 * 1024  # loading touches no weight page
     states, _ = encoder.encode("a red fox runs across a snowy field")
     assert torch.isfinite(states).all()
-    resident = mapped_resident_bytes(path)
-    # The used layer is paged in whole (so the measurement sees weights); beyond it only a few embedding rows and
-    # the kernel's fault-around pages, far less than one unused layer (unused: 8 x 3.1 MB).
-    assert resident >= layer_bytes, (resident, layer_bytes)
-    assert resident < layer_bytes + 2 * 1024 * 1024 < unused_bytes, (resident, layer_bytes, unused_bytes)
+    assert mapped_resident_bytes(path) < 256 * 1024  # the memory map's pages are never touched
+    embed_bytes = state["model.embed_tokens.weight"].numel() * 4
+    # The used layer and the embedding are read whole, nothing of the unused layers (8 x 3.1 MB).
+    assert sum(read) == embed_bytes + layer_bytes, (sum(read), embed_bytes, layer_bytes, unused_bytes)
 
 
 # ---- errors ----------------------------------------------------------------------------------------------------------

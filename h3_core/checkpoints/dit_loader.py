@@ -14,6 +14,7 @@ placed, and each problem raises one `CheckpointError` naming the file and key.
 
 from __future__ import annotations
 
+from contextlib import closing
 import os
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ..errors import CheckpointError
 from ..models.dit import H3DiT, RotaryEmbedding3D
 from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
 from ..runtime.chunking import ChunkingPolicy
+from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
 from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
@@ -270,17 +272,17 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     with torch.device("meta"):
         model = H3DiT(ckpt.config)
     recipes: dict[str, HostTensor] = {}
-    for spec in ckpt.specs:
-        # The memory-mapped sources and how the parameter is made from them (the combine: QKV de-interleave, ...):
-        # the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
-        sources = ckpt.tensors(spec)
-        target = target_dtype(spec.name, sources[0].dtype, dtype)
-        recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
-        if layerwise and _offloaded(spec.name):
-            set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
-            continue
-        weight = ckpt.weight(spec)
-        set_tensor(model, spec.name, weight.to(device=device, dtype=target))
+    with closing(FileReader()) as reader:
+        for spec in ckpt.specs:
+            # The memory-mapped sources and how the parameter is made from them (the combine: QKV de-interleave,
+            # ...): the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
+            sources = ckpt.tensors(spec)
+            target = target_dtype(spec.name, sources[0].dtype, dtype)
+            recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
+            if layerwise and _offloaded(spec.name):
+                set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
+                continue
+            set_tensor(model, spec.name, recipes[spec.name].private_value(reader).to(device))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -35,6 +36,7 @@ import torch
 from ..errors import CheckpointError
 from ..models.dit import H3DiT
 from ..models.dit_config import H3DiTConfig
+from ..runtime.file_reads import FileReader
 from .safetensors_io import SafetensorsFile, refuse_pickle
 
 
@@ -453,14 +455,15 @@ def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H
     touched = fold.targets() | (previous.targets() if previous is not None else set())
     streamed = model.streamed_parameter_names()
     device = model.final_layer.norm.weight.device  # the output norm is never streamed
-    for name, parameter in model.named_parameters():
-        if name not in touched or name in streamed:
-            continue
-        recipe = model.weight_recipes[name]
-        if name in fold.targets():
-            parameter.data = fold.fold(name, recipe.materialise(device))
-        else:
-            parameter.data = recipe.host_value().to(device)  # exactly what the loader placed
+    with closing(FileReader()) as reader:  # explicit reads: a checkpoint changed since the load is a clear error
+        for name, parameter in model.named_parameters():
+            if name not in touched or name in streamed:
+                continue
+            recipe = model.weight_recipes[name]
+            if name in fold.targets():
+                parameter.data = fold.fold(name, recipe.materialise(device, reader))
+            else:
+                parameter.data = recipe.private_value(reader).to(device)  # exactly what the loader placed
     model.set_weight_transform(fold if fold.targets() else None)
     model.lora_fold = fold
     model.loras = tuple((lora.path, strength) for lora, strength in applied)

@@ -15,6 +15,7 @@ before anything is placed; each problem raises one `CheckpointError` naming the 
 
 from __future__ import annotations
 
+from contextlib import closing
 import os
 import re
 from dataclasses import replace
@@ -28,6 +29,7 @@ from ..models.text_encoder import DecoderLayer, LanguageModelConfig, TextEncoder
 from ..models.tokenizer import TOKENIZER_FILE, H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, H3Tokenizer
 from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
 from ..runtime.chunking import check_chunk_size
+from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
 from .checkpoint import (Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files, read_json,
@@ -365,15 +367,16 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     with torch.device("meta"):
         model = TextEncoder(ckpt.config, layer)
     recipes: dict[str, HostTensor] = {}
-    for spec in ckpt.specs:
-        weight = ckpt.weight(spec)
-        target = dtype or weight.dtype
-        if layerwise and _offloaded(spec.name):
-            # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
-            recipes[spec.name] = HostTensor((weight,), target, tuple(weight.shape))
-            set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
-            continue
-        set_tensor(model, spec.name, weight.to(device=device, dtype=target))
+    with closing(FileReader()) as reader:
+        for spec in ckpt.specs:
+            weight = ckpt.weight(spec)
+            recipe = HostTensor((weight,), dtype or weight.dtype, tuple(weight.shape))
+            if layerwise and _offloaded(spec.name):
+                # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
+                recipes[spec.name] = recipe
+                set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))
+                continue
+            set_tensor(model, spec.name, recipe.private_value(reader).to(device))
     if layerwise:
         blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
         model.language_model.block_residency, model.weight_phases = attach_layerwise(

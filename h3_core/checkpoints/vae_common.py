@@ -6,6 +6,7 @@ VAE weights are always float32 (fp16 files are upcast exactly).
 
 from __future__ import annotations
 
+from contextlib import closing
 import math
 from pathlib import Path
 from typing import Callable
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError, H3Error
+from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.layerwise import LayerwiseOffloadManager
 from .checkpoint import Checkpoint
@@ -147,13 +149,14 @@ def populate(model: nn.Module, ckpt: Checkpoint, device: torch.device, manager: 
     parameters = {name for name, _ in model.named_parameters()}
     prefixes = tuple(p for unit in blocks for p in unit) + tuple(p for ps in phases.values() for p in ps)
     recipes: dict[str, HostTensor] = {}
-    for spec in ckpt.specs:
-        recipe = HostTensor(ckpt.tensors(spec), torch.float32, shapes[spec.name], spec.combine)
-        if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
-            recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
-            set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
-            continue
-        set_tensor(model, spec.name, recipe.host_value().to(device))
+    with closing(FileReader()) as reader:
+        for spec in ckpt.specs:
+            recipe = HostTensor(ckpt.tensors(spec), torch.float32, shapes[spec.name], spec.combine)
+            if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
+                recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
+                set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
+                continue
+            set_tensor(model, spec.name, recipe.private_value(reader).to(device))
     if manager is not None:
         manager, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks, phases=phases,
                                                         device=device)

@@ -70,21 +70,6 @@ def segment_of(tensor: torch.Tensor) -> FileSegment | None:
     return getattr(tensor, "_h3_file_segment", None)
 
 
-def mapped_file_problem(path: str, identity: FileIdentity) -> str | None:
-    """Why a memory map of `path` taken at `identity` is no longer safe to read, or None.
-
-    A file replaced by a rename leaves the map on the loaded inode (still consistent); the same inode with another
-    size or mtime was truncated or rewritten in place, and touching the map's pages could SIGBUS or read new bytes.
-    """
-    try:
-        now = FileIdentity.of(path)
-    except OSError:
-        return None  # deleted: the map keeps the loaded inode alive
-    if (now.device, now.inode) != (identity.device, identity.inode):
-        return None
-    return identity.changed(now)
-
-
 def changed_file_error(path: str, why: str) -> CheckpointError:
     return CheckpointError(
         f"{path}: the checkpoint changed while it was loaded ({why}). Replacing a model file while it is in use "
@@ -92,6 +77,18 @@ def changed_file_error(path: str, why: str) -> CheckpointError:
         "complete.",
         path=path,
     )
+
+
+def read_private(tensor: torch.Tensor, reader: "FileReader") -> torch.Tensor:
+    """A tagged memory-mapped checkpoint tensor read into the process's own memory with explicit reads, so nothing
+    faults pages of the map (a file truncated or rewritten since it was opened is a `CheckpointError`, never a
+    SIGBUS, and later changes to the file cannot reach the copy); any other tensor as it is."""
+    segment = segment_of(tensor)
+    if segment is None:
+        return tensor
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    reader.read_into(segment, out)
+    return out
 
 
 def byte_view(buffer: torch.Tensor) -> memoryview:

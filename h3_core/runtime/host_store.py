@@ -4,8 +4,8 @@ A store holds, for every unit (one transformer block, or one phase's weights), t
 made from, and materialises them on a device on request. Two stores:
 
 * `HeldTensors` keeps the loader's tensors exactly as loaded (safetensors memory maps stay file-backed and
-  evictable), so it costs no host memory; the default for Apple MPS (where CPU and GPU share one memory) and for
-  the CPU used as the device.
+  evictable), so it costs no host memory, and reads mapped ones explicitly when a unit is materialised; the store of
+  phase-scoped weights and of units that are not made from files.
 * `PinnedSlab` packs each unit into one contiguous host slab (every tensor on a 256-byte boundary, strides kept),
   page-locked in place at its exact size while a `PinBudget` allows, pageable past it; the CUDA store, so a block
   moves with one asynchronous DMA.
@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from .file_reads import changed_file_error, mapped_file_problem, segment_of
+from .file_reads import FileReader, read_private, segment_of
 
 # Every tensor of a slab starts on this boundary: covers the 16/32-byte base-pointer contracts of fused kernels.
 SLAB_ALIGNMENT = 256
@@ -68,19 +68,30 @@ class HostTensor:
     def source_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.sources)
 
-    def materialise(self, device: torch.device) -> torch.Tensor:
-        """A fresh copy on `device` (never an alias of the host source, even when `device` is the CPU)."""
+    def materialise(self, device: torch.device, reader: FileReader | None = None) -> torch.Tensor:
+        """A fresh copy on `device` (never an alias of the host source, even when `device` is the CPU). With a
+        `reader`, memory-mapped sources are read explicitly (`read_private`) instead of faulting the map's pages."""
+        sources = self.sources if reader is None else tuple(read_private(s, reader) for s in self.sources)
         if self.combine is None:
-            return self.sources[0].to(device=device, dtype=self.dtype, copy=True)
+            return sources[0].to(device=device, dtype=self.dtype, copy=sources[0] is self.sources[0])
         # Copy the sources as stored, then combine on the device: the host side stays file-backed (no temporaries).
-        return self.combine(*(s.to(device=device, dtype=self.dtype) for s in self.sources))
+        return self.combine(*(s.to(device=device, dtype=self.dtype) for s in sources))
 
     def host_value(self) -> torch.Tensor:
         """The parameter on the host: the source tensor itself when no combine or cast is needed."""
+        return self._made(self.sources)
+
+    def private_value(self, reader: FileReader) -> torch.Tensor:
+        """The parameter on the host in the process's own memory: memory-mapped sources are read explicitly, so a
+        resident weight never depends on its file after the load (truncating or rewriting it cannot SIGBUS or
+        change the weight)."""
+        return self._made(tuple(read_private(s, reader) for s in self.sources))
+
+    def _made(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.combine is None:
-            source = self.sources[0]
+            source = sources[0]
             return source if source.dtype == self.dtype else source.to(self.dtype)
-        return self.combine(*(s.to(self.dtype) for s in self.sources))
+        return self.combine(*(s.to(self.dtype) for s in sources))
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -134,9 +145,15 @@ class HeldTensors:
 
     def __init__(self, recipes: Sequence[UnitRecipes]):
         self._recipes = [dict(r) for r in recipes]
-        # The files each unit is mapped from: checked before a unit's pages are touched (a truncated map SIGBUSes).
-        self._files = [{(seg.path, seg.identity) for r in unit.values() for s in r.sources
-                        if (seg := segment_of(s)) is not None} for unit in self._recipes]
+        # Memory-mapped sources are read explicitly when a unit is materialised, never by faulting the map's pages:
+        # a file truncated or rewritten in place since the load is a clear error instead of a SIGBUS.
+        self._reader = FileReader()
+        # Opened now: a file later replaced by a rename is still read from the inode that was loaded.
+        for recipes in self._recipes:
+            for recipe in recipes.values():
+                for source in recipe.sources:
+                    if (segment := segment_of(source)) is not None:
+                        self._reader.check(segment)
 
     def __len__(self) -> int:
         return len(self._recipes)
@@ -157,18 +174,14 @@ class HeldTensors:
         return 0
 
     def materialise(self, unit: int, device: torch.device) -> dict[str, torch.Tensor]:
-        for path, identity in self._files[unit]:
-            why = mapped_file_problem(path, identity)
-            if why is not None:
-                raise changed_file_error(path, why)
-        return {name: r.materialise(device) for name, r in self._recipes[unit].items()}
+        return {name: r.materialise(device, self._reader) for name, r in self._recipes[unit].items()}
 
     def original(self, unit: int, name: str) -> torch.Tensor:
         return self._recipes[unit][name].host_value()
 
     def close(self) -> None:
         self._recipes = [{} for _ in self._recipes]
-        self._files = [set() for _ in self._recipes]
+        self._reader.close()
 
 
 # ---- pinned slab -------------------------------------------------------------------------------------------------
