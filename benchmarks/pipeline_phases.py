@@ -10,10 +10,10 @@ with `--blocks` blocks (native layout), both VAEs at full width. Then, for each 
 an `H3Pipeline` over those files generates one request (`--size`, `--frames`, `--steps`, a first keyframe unless
 `--no-keyframe`, a prompt of about the plan's `TEXT_ROWS_ESTIMATE` tokens) on the CPU, while a thread samples
 `/proc/self/status` every `--interval-ms` (5 ms). Each phase (`H3Pipeline.enter_phase` to the next one) reports its
-peak RssAnon over the process's level just before the generation (after `malloc_trim`), next to the plan's
-prediction for the same request and residency (`plan_for_budget(..., residency=mode).phase(name)`): its
-`anonymous_bytes`, i.e. the peak less the weights the CPU uses straight from the memory maps (file-backed pages,
-which RssAnon does not count; their RssFile growth is reported beside the plan's mapped bytes).
+peak RssAnon over the level it started at (after its releases and a `malloc_trim`), next to the plan's prediction
+for the same request and residency (`plan_for_budget(..., residency=mode).phase(name).total_bytes`). Every weight
+the loaders place is read into the process's own memory, so RssAnon counts all of it; RssFile growth (the page
+cache of the files this process maps) is reported beside it.
 PASS when every phase is within `--tolerance` (15 %) of the prediction and no phase holds a component it does not
 run (`pipeline.loaded` when each phase starts and when it ends).
 """
@@ -221,8 +221,7 @@ def run_mode(args) -> dict:
             releases.append({"phase": name, **measured})
             continue
         planned = plan.phase(name)
-        phases.append({"phase": name, "predicted": planned.anonymous_bytes, "peak_part": planned.peak_part,
-                       "mapped_predicted": planned.total_bytes - planned.anonymous_bytes, **measured})
+        phases.append({"phase": name, "predicted": planned.total_bytes, "peak_part": planned.peak_part, **measured})
     return {"mode": args.child, "seconds": seconds, "phases": phases, "releases": releases, "census": census, "after_release_all": after,
             "trace": [(t - started, p, a - baseline["RssAnon"], f - baseline["RssFile"]) for t, p, a, f in
                       sampler.trace] if args.trace else [],
@@ -246,15 +245,14 @@ def census_problems(census: list[dict]) -> list[str]:
 def report(result: dict, tolerance: float) -> bool:
     print(f"\n{result['mode']}: {result['seconds']:.0f} s, {result['prompt_tokens']} prompt tokens, frames "
           f"{result['frames']}")
-    print(f"  {'phase':<16} {'predicted':>10} {'measured':>10} {'ratio':>6}   {'peak part':<11} "
-          f"{'mapped':>8} {'RssFile':>8}")
+    print(f"  {'phase':<16} {'predicted':>10} {'measured':>10} {'ratio':>6}   {'peak part':<11} {'RssFile':>8}")
     ok = True
     for p in result["phases"]:
         ratio = p["measured"] / p["predicted"] if p["predicted"] else float("inf")
         good = abs(ratio - 1) <= tolerance
         ok &= good
         print(f"  {p['phase']:<16} {p['predicted'] / MiB:>8.0f} M {p['measured'] / MiB:>8.0f} M {ratio:>6.2f}   "
-              f"{str(p['peak_part'] or '-'):<11} {p['mapped_predicted'] / MiB:>6.0f} M {p['file_measured'] / MiB:>6.0f} M"
+              f"{str(p['peak_part'] or '-'):<11} {p['file_measured'] / MiB:>6.0f} M"
               f"  {'PASS' if good else 'FAIL'}")
     for r in result.get("releases", ()):
         print(f"  {r['phase']:<27} {r['measured'] / MiB:>8.0f} M   (not a phase: the release itself, RssFile "

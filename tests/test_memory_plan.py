@@ -47,7 +47,7 @@ def transformer_dominated(monkeypatch):
 
     def small(estimate):
         estimate.total_bytes = estimate.fixed_bytes = estimate.unit_bytes = estimate.activation_bytes = 1024
-        estimate.scoped_bytes, estimate.mapped_bytes, estimate.fixed_mapped_bytes = {}, 0, 0
+        estimate.scoped_bytes, estimate.unit_sizes = {}, ()
         return estimate
 
     monkeypatch.setattr(mp, "_text_encoder_estimate", lambda *a: small(real_text(*a)))

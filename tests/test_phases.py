@@ -14,7 +14,7 @@ from h3_core.pipeline import H3Pipeline, plan_for_budget, resolve_model
 from h3_core.pipeline.planning import PHASES
 from h3_core.pipeline.tiny_default import ensure_tiny_model
 from h3_core.runtime.memory_plan import (ComponentEstimate, MemoryBudgetError, PhaseSpec, fit_budget,
-                                         phase_estimates)
+                                         phase_estimates, touched_ring_bytes)
 from h3_core.runtime.platform import Platform
 
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
@@ -215,24 +215,37 @@ def test_a_streamed_phase_peaks_at_its_largest_part():
     """Phase-scoped weights live in their own part, the AdaLN stack in its pass, the blocks with the activations
     and the step-cache tables; a kept transformer's ring outlives its passes on the CPU."""
     dit = ComponentEstimate("transformer", 200 * MiB, 10 * MiB, 60 * MiB, 8 * MiB, True, residency="layerwise",
-                            scoped_bytes={"text": 50 * MiB}, companion_unit_bytes=6 * MiB,
-                            fixed_mapped_bytes=4 * MiB, host_table_bytes=3 * MiB)
+                            scoped_bytes={"text": 50 * MiB}, companion_unit_bytes=6 * MiB, host_table_bytes=3 * MiB)
     spec = PhaseSpec("sampling", "transformer", parts=("text", "AdaLN plan", "blocks"),
                      part_activations=(("text", 1 * MiB),))
     phase, = phase_estimates([dit], [spec], staging_read_ahead=1)
     assert phase.parts == ["text", "AdaLN plan", "blocks"]
-    # Always: 10 MiB of resident fixed weights (4 of them memory-mapped).
+    # Always: 10 MiB of resident fixed weights.
     assert {p: phase.part_bytes(p) for p in phase.parts} == {
         "text": (10 + 50 + 1) * MiB, "AdaLN plan": (10 + 6 + 6 + 3) * MiB, "blocks": (10 + 10 + 10 + 8 + 3) * MiB}
     assert phase.total_bytes == 61 * MiB and phase.peak_part == "text"
-    assert phase.anonymous_bytes == 57 * MiB  # less the mapped weights (file-backed pages)
     assert phase.biggest(1)[0].label == "transformer phase weights [text]"
     # Kept: the ring (slot + staging) stays allocated between passes, so it counts in every part.
     kept, = phase_estimates([dit], [spec], keep=["transformer"], staging_read_ahead=1)
     assert kept.part_bytes("AdaLN plan") == (10 + 6 + 6 + 3 + 20) * MiB
-    # Off the CPU nothing is used in place from the maps.
-    cuda, = phase_estimates([dit], [spec], platform=Platform("cuda"), staging_read_ahead=1)
-    assert not any(i.mapped for i in cuda.items)
+
+
+def test_pageable_ring_buffers_hold_the_largest_unit_that_went_through_each():
+    """Units of unequal size take the ring's buffers in turn; a pageable buffer (CPU, MPS) holds only the pages
+    written into it, a page-locked one (CUDA) all of them."""
+    assert touched_ring_bytes((144, 36, 9, 2, 1), 2) == 144 + 36
+    assert touched_ring_bytes((144, 36, 9, 2, 1), 3) == 144 + 36 + 9
+    assert touched_ring_bytes((10, 10, 10), 2) == 20
+    audio = ComponentEstimate("audio_vae", 300 * MiB, 144 * MiB, 60 * MiB, 20 * MiB, True, residency="layerwise",
+                              unit_sizes=(144 * MiB, 36 * MiB, 9 * MiB, 2 * MiB))
+    spec = PhaseSpec("audio decode", "audio_vae")
+    cpu, = phase_estimates([audio], [spec], staging_read_ahead=1)
+    items = {i.what: i.nbytes for i in cpu.items}
+    assert items["slots"] + items["staging"] == (144 + 36) * MiB  # the ring's two buffers are the device tensors
+    mps, = phase_estimates([audio], [spec], platform=Platform("mps"), staging_read_ahead=1)
+    assert {i.what: i.nbytes for i in mps.items}["staging"] == (144 + 36) * MiB
+    cuda, = phase_estimates([audio], [spec], platform=Platform("cuda"), staging_read_ahead=1)
+    assert {i.what: i.nbytes for i in cuda.items}["pinned staging"] == 2 * 144 * MiB
 
 
 def test_on_a_discrete_device_host_items_count_against_the_host_budget():
@@ -270,7 +283,7 @@ def test_plan_for_budget_prints_each_phase_and_refuses_a_kept_component_that_bre
         plan_for_budget(sources, budget_bytes=alone + (1 << 20), keep=["text_encoder"], residency="resident",
                         **request)
     first = str(info.value).splitlines()[0]
-    assert f"the {kept.peak_phase.name} phase needs about" in first and "text_encoder weights (mapped) (kept)" in first
+    assert f"the {kept.peak_phase.name} phase needs about" in first and "text_encoder weights (kept)" in first
     assert "do not keep text_encoder" in str(info.value)
     with pytest.raises(Exception, match=r"unknown component\(s\) \['vae'\] to keep"):
         plan_for_budget(sources, budget_bytes=1 << 30, keep=["vae"], **request)

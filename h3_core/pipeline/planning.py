@@ -52,14 +52,13 @@ def _dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]], mapped_of) -> dict:
-    """Per-spec sizes grouped: streamed units, phase-scoped groups, the resident rest and its memory-mapped part."""
+def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]]) -> dict:
+    """Per-spec sizes grouped: streamed units (and their sizes in pass order), phase-scoped groups, the rest."""
     units: dict = {}
     groups = {part: 0 for part in scoped}
-    fixed = fixed_mapped = mapped = scratch = 0
+    fixed = scratch = 0
     for spec in ckpt.specs:
         size = sizes(spec)
-        mapped += size if mapped_of(spec) else 0
         unit = unit_of(spec.name)
         if unit is not None:
             units[unit] = units.get(unit, 0) + size
@@ -70,17 +69,9 @@ def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]], mapped_of
         part = next((p for p, prefixes in scoped.items() if spec.name.startswith(prefixes)), None)
         if part is not None:
             groups[part] += size
-        elif mapped_of(spec):
-            fixed_mapped += size
-    return dict(units=units, fixed=fixed, scoped={p: b for p, b in groups.items() if b}, mapped=mapped,
-                fixed_mapped=fixed_mapped, total=fixed + sum(units.values()), scratch=scratch)
-
-
-def _in_place(ckpt, target_of):
-    """Whether a spec's tensor is used straight from the memory map on the CPU: one stored tensor, no combine,
-    stored in the dtype it runs in."""
-    return lambda spec: (spec.combine is None and len(spec.keys) == 1
-                         and ckpt.files[spec.keys[0]].dtype(spec.keys[0]) == target_of(spec))
+    numbered = sorted((u for u in units if u.isdigit()), key=int)  # the pass order of the block stack
+    return dict(units=units, fixed=fixed, scoped={p: b for p, b in groups.items() if b},
+                total=fixed + sum(units.values()), scratch=scratch, sizes=tuple(units[u] for u in numbered))
 
 
 def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
@@ -93,7 +84,7 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(targets[spec.name]),
                  lambda n: n.split(".")[1] if n.startswith("blocks.") and ".adaln_proj." not in n else
                  (f"adaln.{n.split('.')[1]}" if n.startswith("blocks.") else None),
-                 DIT_PHASE_SCOPED, _in_place(ckpt, lambda spec: targets[spec.name]))
+                 DIT_PHASE_SCOPED)
     blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
     adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
     text_rows = TEXT_ROWS_ESTIMATE
@@ -117,9 +108,8 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                   * _dtype_bytes(targets[adaln_spec.name]))
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
-                                 companion_unit_bytes=max(adaln.values(), default=0), mapped_bytes=g["mapped"],
-                                 fixed_mapped_bytes=g["fixed_mapped"], host_table_bytes=tables,
-                                 scratch_bytes=g["scratch"])
+                                 companion_unit_bytes=max(adaln.values(), default=0), host_table_bytes=tables,
+                                 scratch_bytes=g["scratch"], unit_sizes=g["sizes"])
     return estimate, c, rows
 
 
@@ -141,12 +131,12 @@ def _text_encoder_estimate(source, layer: int, dtype=None) -> ComponentEstimate:
     prefix = TEXT_STREAMED_LAYER_PREFIX
     g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(target(spec)),
                  lambda n: n[len(prefix):].split(".")[0] if n.startswith(prefix) else None,
-                 TEXT_PHASE_SCOPED, _in_place(ckpt, target))
+                 TEXT_PHASE_SCOPED)
     hidden = ckpt.config.language.hidden_size
     activations = TEXT_ROWS_ESTIMATE * 4 * (8 * hidden + 2 * ckpt.config.language.intermediate_size)
     return ComponentEstimate("text_encoder", g["total"], max(g["units"].values(), default=0), g["fixed"],
-                             activations, streamable=True, scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
-                             fixed_mapped_bytes=g["fixed_mapped"], scratch_bytes=g["scratch"])
+                             activations, streamable=True, scoped_bytes=g["scoped"], scratch_bytes=g["scratch"],
+                             unit_sizes=g["sizes"])
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
@@ -161,8 +151,7 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             stages = [tuple(f"decoder.{p}" for p in decoder.stage_prefixes(i)) for i in range(len(decoder.ups))]
             unit_of = lambda n: next((str(i) for i, p in enumerate(stages) if n.startswith(p)), None)  # noqa: E731
         g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * 4,  # VAEs always run in float32
-                     unit_of, VIDEO_PHASE_SCOPED if name == "video_vae" else AUDIO_PHASE_SCOPED,
-                     _in_place(ckpt, lambda spec: torch.float32))
+                     unit_of, VIDEO_PHASE_SCOPED if name == "video_vae" else AUDIO_PHASE_SCOPED)
         if name == "video_vae":
             c = ckpt.config
             # One 17-frame clip of pixels on the device, the decoder's tokens for one tile (256 px -> 16x16 latents
@@ -185,8 +174,8 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             activations += max(m.weight.numel() for m in decoder.modules()
                                if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))) * 4
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
-                                     streamable=bool(g["units"]), scoped_bytes=g["scoped"], mapped_bytes=g["mapped"],
-                                     fixed_mapped_bytes=g["fixed_mapped"], scratch_bytes=g["scratch"]))
+                                     streamable=bool(g["units"]), scoped_bytes=g["scoped"],
+                                     scratch_bytes=g["scratch"], unit_sizes=g["sizes"]))
     return out
 
 

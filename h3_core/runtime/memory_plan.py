@@ -46,9 +46,8 @@ class ComponentEstimate:
     `fixed_bytes` are the weights outside the streamed stack; of them, `scoped_bytes` (part name -> bytes) are
     phase-scoped: streamed, each group is on the device only during its part of a phase. `companion_unit_bytes`: the
     largest unit of a second stack split off the blocks (the DiT's AdaLN projections), streamed in a pass of its own;
-    `unit_bytes` is then the largest block without it. `mapped_bytes` / `fixed_mapped_bytes`: of all weights (a
-    resident load) / of the fixed weights that are not phase-scoped (a streamed one), those the CPU uses straight from
-    the checkpoint's memory maps (stored in the compute dtype, no combine: file-backed pages, not a copy).
+    `unit_bytes` is then the largest block without it. Every weight on the device is the process's own memory (the
+    loaders read resident weights explicitly, never using the checkpoint's memory maps in place).
     `host_table_bytes`: host memory the component's blocks part holds (the DiT's step-cache AdaLN tables).
     `scratch_bytes`: the staging reader's scratch, which holds the stored tensors a combined parameter is made from
     (the fused QKV's de-interleave) while the ring lives."""
@@ -63,10 +62,9 @@ class ComponentEstimate:
     prefetch: int = 0
     scoped_bytes: dict = field(default_factory=dict)
     companion_unit_bytes: int = 0
-    mapped_bytes: int = 0
-    fixed_mapped_bytes: int = 0
     host_table_bytes: int = 0
     scratch_bytes: int = 0  # the staging reader's scratch: the stored bytes of its largest combined tensor (QKV)
+    unit_sizes: tuple[int, ...] = ()  # every streamed unit's bytes in pass order (empty: all `unit_bytes`)
 
     @property
     def slots(self) -> int:
@@ -126,12 +124,11 @@ class PhaseItem:
     on_host: bool = False
     kept: bool = False
     during: str | None = None  # the part of the phase it lives in (None: all of it)
-    mapped: bool = False  # file-backed pages of the checkpoint's memory maps (the CPU using them in place)
 
     @property
     def label(self) -> str:
-        return (f"{self.component} {self.what}" + (" (mapped)" if self.mapped else "")
-                + (f" [{self.during}]" if self.during else "") + (" (kept)" if self.kept else ""))
+        return (f"{self.component} {self.what}" + (f" [{self.during}]" if self.during else "")
+                + (" (kept)" if self.kept else ""))
 
 
 @dataclass
@@ -145,10 +142,10 @@ class PhaseEstimate:
         """The parts the phase runs one after the other ([None]: one part)."""
         return list(dict.fromkeys(i.during for i in self.items if i.during is not None)) or [None]
 
-    def part_bytes(self, part: str | None, *, on_host: bool | None = None, anonymous: bool = False) -> int:
+    def part_bytes(self, part: str | None, *, on_host: bool | None = None) -> int:
         """What is alive during `part`: the items of the whole phase and those of that part."""
         return sum(i.nbytes for i in self.items if (i.during is None or i.during == part)
-                   and (on_host is None or i.on_host == on_host) and not (anonymous and i.mapped))
+                   and (on_host is None or i.on_host == on_host))
 
     @property
     def device_bytes(self) -> int:
@@ -164,11 +161,6 @@ class PhaseEstimate:
         return max(self.part_bytes(p) for p in self.parts)
 
     @property
-    def anonymous_bytes(self) -> int:
-        """The peak less the memory-mapped weights (file-backed): what a process's anonymous memory shows."""
-        return max(self.part_bytes(p, anonymous=True) for p in self.parts)
-
-    @property
     def peak_part(self) -> str | None:
         return max(self.parts, key=self.part_bytes)
 
@@ -179,6 +171,12 @@ class PhaseEstimate:
     def biggest(self, count: int = 3, *, on_host: bool | None = None) -> list[PhaseItem]:
         items = [i for i in self.items if on_host is None or i.on_host == on_host]
         return sorted(items, key=lambda i: -i.nbytes)[:count]
+
+
+def touched_ring_bytes(unit_sizes: Sequence[int], buffers: int) -> int:
+    """Resident bytes of a ring of `buffers` pageable buffers that units of `unit_sizes` (in pass order) take in
+    turn: each buffer holds the pages of the largest unit that went through it."""
+    return sum(max(unit_sizes[b::buffers], default=0) for b in range(buffers))
 
 
 def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int | None, platform: Platform, *,
@@ -196,21 +194,20 @@ def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int |
     items = [PhaseItem(c.name, f"{prefix}slots", slots * unit, during=during)]
     if read_ahead is None or not unit:
         return items
+    # Pageable ring buffers (CPU, MPS) are sized for the largest unit but hold only the pages ever written; units
+    # take them in turn, so each holds the largest unit that went through it. Page-locked ones are whole.
+    sizes = c.unit_sizes if unit == c.unit_bytes and c.unit_sizes else (unit,) * (read_ahead + slots + 1)
     if platform.host_is_device:
-        ring, label = read_ahead * unit, "staging"
+        touched = touched_ring_bytes(sizes, read_ahead + slots)
+        items[0] = dataclasses.replace(items[0], nbytes=min(slots * unit, touched))
+        ring, label = touched - items[0].nbytes, "staging"
     elif platform.asynchronous_copies:
         ring, label = (max(1, read_ahead) + 1) * unit, "pinned staging"
     else:
-        ring, label = (read_ahead + 1) * unit, "staging"
+        ring, label = touched_ring_bytes(sizes, read_ahead + 1), "staging"
     items.append(PhaseItem(c.name, f"{prefix}{label}", ring, on_host=True, during=during))
     items.append(PhaseItem(c.name, f"{prefix}reader scratch", scratch, on_host=True, during=during))
     return items
-
-
-def _weights(c: ComponentEstimate, nbytes: int, mapped: int, platform: Platform, **kw) -> list[PhaseItem]:
-    """Weights on the device, the memory-mapped ones apart where the CPU uses them in place."""
-    mapped = mapped if platform.host_is_device else 0
-    return [PhaseItem(c.name, "weights", nbytes - mapped, **kw), PhaseItem(c.name, "weights", mapped, mapped=True, **kw)]
 
 
 def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool, platform: Platform,
@@ -218,7 +215,7 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     """What `c` holds during the phase `spec` runs it (None: an idle kept component)."""
     copying = platform.asynchronous_copies
     if c.residency != "layerwise":
-        items = _weights(c, c.total_bytes, c.mapped_bytes, platform)
+        items = [PhaseItem(c.name, "weights", c.total_bytes)]
         if spec is not None:
             activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
             items += [PhaseItem(c.name, "activations", activations),
@@ -226,7 +223,7 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
         return items
     # Streamed: the resident fixed weights always; the stack's ring where it outlives a pass (CUDA rings and slots
     # stay allocated; on the CPU / MPS only the transformer's, which reads the next pass's head, when kept).
-    items = _weights(c, c.resident_fixed_bytes, c.fixed_mapped_bytes, platform)
+    items = [PhaseItem(c.name, "weights", c.resident_fixed_bytes)]
     items.append(PhaseItem(c.name, "host store", c.host_store_bytes(copying), on_host=True))
     repeated = c.name in REPEATED_PASSES
     persistent = copying or (kept and repeated and read_ahead is not None)
