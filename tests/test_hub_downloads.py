@@ -304,3 +304,28 @@ def test_the_loader_node_shows_comfyui_progress_and_text(hub, tmp_path, monkeypa
     texts = [data["text"] for event, data, _ in PromptServer.instance.messages
              if event == "progress_text" and data["node"] == "7"]
     assert texts[-1].startswith(f"downloading {REPO}: ") and texts[-1].endswith("(100%)")
+
+
+def test_an_unreachable_hub_falls_back_to_the_cached_copy(hub, tmp_path):
+    first = download(tmp_path)
+    hub.fail("GET", "api", "reset")
+    sleeps, said = [], []
+    assert download_partition(REPO, "fl2va", False, tmp_path / "cache", log=said.append,
+                              retry=RetryPolicy(sleep=sleeps.append)) == first
+    assert sleeps == [] and len(said) == 1
+    assert said[0].startswith(f"{REPO}: Hugging Face cannot be reached (") and \
+        said[0].endswith(f"); using the cached copy {first}")
+
+
+def test_an_exception_from_the_progress_callback_passes_unchanged(hub, tmp_path):
+    """ComfyUI's Cancel raises from its progress bar: never retried, never rewrapped."""
+    class Cancelled(Exception):
+        pass
+
+    def cancel(done, total):
+        raise Cancelled()
+
+    sleeps = []
+    with pytest.raises(Cancelled):
+        download(tmp_path, sleeps=sleeps, progress=cancel)
+    assert sleeps == []

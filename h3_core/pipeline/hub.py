@@ -242,44 +242,63 @@ class _Download:
 
     # -- retries --
 
-    def attempt(self, what: str, call):
+    def attempt(self, what: str, call, failed: Exception | None = None):
+        """`call()`, retried after transient failures; `failed`: how a first try (made by the caller) failed."""
         from huggingface_hub.utils import close_session
 
         failures = 0
         while True:
-            try:
-                return call()
-            except _ProgressRaised as raised:
-                raise raised.original from None
-            except CheckpointError:
-                raise
-            except Exception as exc:  # classified below: only network failures are retried
-                kind = failure_kind(exc)
-                if kind is None:
-                    raise CheckpointError(f"{self.repo_id}: could not get {what} from Hugging Face "
-                                          f"({type(exc).__name__}: {exc}).", path=self.repo_id) from None
-                if kind == "permanent":
-                    raise _permanent_error(exc, self.repo_id, what) from None
-                failures += 1
-                if failures >= self.retry.attempts:
-                    raise CheckpointError(
-                        f"{self.repo_id}: {what} still failed after {failures} attempts ({_brief(exc)}). Check the "
-                        "network (or the Hub's status) and run again: finished files are kept and a partial file "
-                        "continues where it stopped.", path=self.repo_id) from None
-                if kind == "closed":
-                    close_session()  # the next call gets a fresh client
-                delay = self.retry.delay(failures)
-                self.log(f"{self.repo_id}: {what} failed ({_brief(exc)}); retry {failures} of "
-                         f"{self.retry.attempts - 1} in {delay:g} s")
-                self.retry.sleep(delay)
+            if failed is None:
+                try:
+                    return call()
+                except _ProgressRaised as raised:
+                    raise raised.original from None
+                except CheckpointError:
+                    raise
+                except Exception as exc:  # classified below: only network failures are retried
+                    failed = exc
+            exc, failed = failed, None
+            kind = failure_kind(exc)
+            if kind is None:
+                raise CheckpointError(f"{self.repo_id}: could not get {what} from Hugging Face "
+                                      f"({type(exc).__name__}: {exc}).", path=self.repo_id) from None
+            if kind == "permanent":
+                raise _permanent_error(exc, self.repo_id, what) from None
+            failures += 1
+            if failures >= self.retry.attempts:
+                raise CheckpointError(
+                    f"{self.repo_id}: {what} still failed after {failures} attempts ({_brief(exc)}). Check the "
+                    "network (or the Hub's status) and run again: finished files are kept and a partial file "
+                    "continues where it stopped.", path=self.repo_id) from None
+            if kind == "closed":
+                close_session()  # the next call gets a fresh client
+            delay = self.retry.delay(failures)
+            self.log(f"{self.repo_id}: {what} failed ({_brief(exc)}); retry {failures} of "
+                     f"{self.retry.attempts - 1} in {delay:g} s")
+            self.retry.sleep(delay)
 
     # -- the plan --
 
     def run(self) -> Path:
         from huggingface_hub import HfApi
 
-        info = self.attempt("the file list", lambda: HfApi(endpoint=self.endpoint).model_info(
-            self.repo_id, files_metadata=True, token=self.token))
+        def file_list():
+            return HfApi(endpoint=self.endpoint).model_info(self.repo_id, files_metadata=True, token=self.token)
+
+        try:
+            info = file_list()
+        except Exception as exc:  # classified in `attempt`
+            if failure_kind(exc) in ("transient", "closed"):
+                # The hub unreachable and a copy in the cache: that copy, as huggingface_hub itself does.
+                try:
+                    cached = _cached_snapshot(self.repo_id, self.cache_dir)
+                except Exception:  # not in the cache (huggingface_hub raises several types): retry the hub
+                    cached = None
+                if cached is not None:
+                    self.log(f"{self.repo_id}: Hugging Face cannot be reached ({_brief(exc)}); using the cached "
+                             f"copy {cached}")
+                    return cached
+            info = self.attempt("the file list", file_list, failed=exc)
         self.commit = info.sha
         siblings = {s.rfilename: s for s in (info.siblings or [])}
         files = sorted(siblings)
@@ -368,13 +387,22 @@ class _Download:
             token=self.token))
 
     def transfer(self, name: str, counted: bool) -> None:
-        """The file's bytes into `blobs/<etag>`, continuing a partial file with a Range request."""
+        """The file's bytes into `blobs/<etag>`, continuing a partial file with a Range request; under the lock
+        huggingface_hub takes for the same blob, so two processes never append to one partial file."""
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
-        from huggingface_hub import constants
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+        from huggingface_hub.utils import WeakFileLock
 
         meta = get_hf_file_metadata(hf_hub_url(self.repo_id, name, revision=self.commit, endpoint=self.endpoint),
                                     token=self.token, endpoint=self.endpoint)
+        lock = self.cache_dir / ".locks" / self.storage.name / f"{meta.etag}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(lock):
+            self.transfer_locked(name, meta, counted)
+
+    def transfer_locked(self, name: str, meta, counted: bool) -> None:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
         blob = self.storage / "blobs" / meta.etag
         if blob.is_file():
             return
