@@ -38,6 +38,7 @@ class Repo:
     files: dict[str, bytes]
     commit: str = COMMIT
     status: int | None = None  # answer every request of this repo with this status (401, 403, ...)
+    ranges: bool = True  # False: ignore Range headers and send whole files, as some proxies do
 
     def etag(self, name: str) -> str:
         return hashlib.sha256(self.files[name]).hexdigest()
@@ -46,8 +47,8 @@ class Repo:
 @dataclass
 class LoopbackHub:
     """`failures[(method, path)]` is a list of what the next requests get, one entry each: "reset" (the connection is
-    reset before an answer), "cut:N" (headers and the first N bytes of the body, then the connection closes), or an HTTP status
-    such as 503."""
+    reset before an answer), "cut:N" (headers and the first N bytes of the body, then the connection closes), or an
+    HTTP status such as 503."""
 
     repos: dict[str, Repo]
     failures: dict[tuple[str, str], list] = field(default_factory=dict)
@@ -143,7 +144,7 @@ class LoopbackHub:
         start = 0
         wanted = handler.headers.get("Range")
         status = 200
-        if wanted and method == "GET":
+        if wanted and method == "GET" and repo.ranges:
             start = int(wanted.removeprefix("bytes=").split("-")[0])
             if start >= len(data):
                 self._send(handler, 416, b"", {"Content-Range": f"bytes */{len(data)}"})

@@ -329,3 +329,45 @@ def test_an_exception_from_the_progress_callback_passes_unchanged(hub, tmp_path)
     with pytest.raises(Cancelled):
         download(tmp_path, sleeps=sleeps, progress=cancel)
     assert sleeps == []
+
+
+def test_a_server_that_ignores_the_range_gets_the_whole_file_again(hub, tmp_path):
+    name = SHARD_1
+    data = hub.repos[REPO].files[name]
+    hub.repos[REPO].ranges = False
+    hub.fail("GET", name, f"cut:{len(data) // 3}")
+    calls = []
+    folder = download(tmp_path, progress=lambda done, total: calls.append((done, total)))
+    assert (folder / name).read_bytes() == data
+    assert [r.range for r in hub.requests if r.method == "GET" and r.path == name] == [None, f"bytes={len(data) // 3}-"]
+    assert hub.bytes_served[name] == len(data) // 3 + len(data)
+    assert calls[-1][0] == calls[-1][1]  # the bar ends full, the bytes sent twice counted in its total
+
+
+@pytest.mark.parametrize("key, unused", [
+    ("model.language_model.layers.49.mlp.up_proj.weight", False),
+    ("model.language_model.layers.50.mlp.up_proj.weight", True),
+    ("model.language_model.layers.63.self_attn.q_proj.weight", True),
+    ("model.language_model.norm.weight", True),
+    ("lm_head.weight", True),
+    ("model.language_model.embed_tokens.weight", False),
+    ("model.visual.blocks.60.attn.qkv.weight", False),  # the vision tower's blocks are not decoder layers
+    ("model.visual.merger.norm.weight", False),
+    ("language_model.model.layers.55.input_layernorm.weight", True),  # an older export
+    ("text_encoders.qwen3vl_32b.transformer.model.layers.50.mlp.up_proj.weight", True),  # a ComfyUI nesting
+    ("text_encoders.qwen3vl_32b.transformer.model.layers.3.mlp.up_proj.weight", False),
+])
+def test_which_text_encoder_keys_h3_never_reads_at_layer_50(key, unused):
+    from h3_core.checkpoints.text_encoder_loader import never_read_by_h3
+
+    assert never_read_by_h3(key, 50) is unused
+
+
+def test_a_needed_shard_missing_from_the_folder_is_still_one_clear_error(hub, tmp_path):
+    from h3_core.checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
+
+    folder = download(tmp_path)
+    (folder / SHARD_1).unlink()
+    with pytest.raises(CheckpointError, match=r"names shard 'model-00001-of-00002.safetensors' \(for key '.*'\), "
+                                              r"which is missing from"):
+        resolve_text_encoder_checkpoint(folder / "text_encoder", 2)

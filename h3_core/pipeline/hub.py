@@ -102,33 +102,30 @@ def _component_root(files: list[str], partition: str) -> str:
     return _partition_root(files, partition) or ""
 
 
-def needed_files(files: list[str], partition: str, text_encoder_index: dict | None = None,
+def needed_files(files: list[str], partition: str, weight_map: dict | None = None,
                  layer: int = DEFAULT_TEXT_ENCODER_LAYER) -> list[str]:
     """The repo files a `partition` request reads: the official layout's `model_index.json`, its transformer (not the
     other partition's), text encoder, tokenizer, processor and the two VAEs; or the release layout's partition folder.
-    Only safetensors weights, configs and tokenizer files. With the text encoder's index given, only the shards that
-    hold something below decoder layer `layer` (without it, no shard of an indexed text encoder: see `text_encoder_index`
-    for reading the index first)."""
-    root = _partition_root(files, partition)
-    if root is not None:
+    Only safetensors weights, configs and tokenizer files. The shards of an indexed text encoder come only with its
+    index's `weight_map` (read it first): those holding anything below decoder layer `layer`."""
+    root = _component_root(files, partition)
+    if root:
         chosen = [f for f in files if f.startswith(root) or f == "model_index.json"]
     else:
         transformer = "transformer" if partition == "fl2va" else "transformer_ref"
         folders = (transformer, "text_encoder", "tokenizer", "processor", "vae", "audio_vae")
         chosen = [f for f in files if f == "model_index.json" or PurePosixPath(f).parts[0] in folders]
-        root = ""
     chosen = [f for f in chosen if f.endswith(KEPT_SUFFIXES)]
-    index_name = f"{root}text_encoder/{TEXT_ENCODER_INDEX}"
-    if index_name not in files:
-        return chosen
     shard_folder = f"{root}text_encoder/"
-    if text_encoder_index is None:
-        needed_shards: set[str] = set()
-    else:
-        needed_shards = {shard_folder + str(shard) for key, shard in text_encoder_index.items()
-                         if not never_read_by_h3(key, layer)}
-    return [f for f in chosen if not (f.startswith(shard_folder) and f.endswith(".safetensors")
-                                      and "/" not in f[len(shard_folder):]) or f in needed_shards]
+    if shard_folder + TEXT_ENCODER_INDEX not in files:
+        return chosen
+    needed_shards = {shard_folder + str(shard) for key, shard in (weight_map or {}).items()
+                     if not never_read_by_h3(key, layer)}
+
+    def is_shard(name: str) -> bool:
+        return name.startswith(shard_folder) and name.endswith(".safetensors") and "/" not in name[len(shard_folder):]
+
+    return [f for f in chosen if not is_shard(f) or f in needed_shards]
 
 
 def text_encoder_index_name(files: list[str], partition: str) -> str | None:
@@ -427,7 +424,8 @@ class _Download:
                     partial.unlink(missing_ok=True)  # the partial file does not belong to this file: start again
                 hf_raise_for_status(response)
                 if start and response.status_code != 206:  # the server ignored the Range: the whole file comes
-                    self.count(-start if counted else 0)
+                    if counted:
+                        self.total += start
                     start = 0
                 with open(partial, "ab" if start else "wb") as out:
                     for chunk in response.iter_bytes():  # as received: a cut keeps every byte that arrived
