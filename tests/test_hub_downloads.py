@@ -290,17 +290,19 @@ def test_the_loader_node_shows_comfyui_progress_and_text(hub, tmp_path, monkeypa
     from huggingface_hub import constants
 
     comfy_double.install(tmp_path / "comfyui")
-    comfy_double.load_pack()
+    pack = comfy_double.load_pack()
     import comfy.utils
+    from comfy_double.executor import run_node
     from server import PromptServer
 
-    from nodes import model_sources
-
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
-    comfy.utils.UPDATES.clear()
-    model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id=REPO, node_id="7")
+    run_node(pack["H3StreamLoader"], "7", source="Hugging Face repo", repo_id=REPO, partition="FL2VA",
+             transformer_residency="LAYERWISE_OFFLOAD", text_encoder_residency="LAYERWISE_OFFLOAD",
+             video_vae_residency="RESIDENT", audio_vae_residency="RESIDENT", prefetch=-1, resident_blocks=0,
+             chunk_size=0, memory_budget_mib=0, dtype="auto", device="cpu")
+    assert sorted(file_gets(hub)) == sorted(FL2VA_FILES)
     updates = [u for u in comfy.utils.UPDATES if u[0] == "7"]
-    assert updates and updates[-1][1] == updates[-1][2]  # the bar ends full
+    assert updates and updates[-1][1] == updates[-1][2]  # ComfyUI's bar on the loader ends full
     texts = [data["text"] for event, data, _ in PromptServer.instance.messages
              if event == "progress_text" and data["node"] == "7"]
     assert texts[-1].startswith(f"downloading {REPO}: ") and texts[-1].endswith("(100%)")
