@@ -26,7 +26,7 @@ FL2VA_FILES = ["model_index.json", "transformer/config.json", "transformer/diffu
 
 
 @pytest.fixture(scope="module")
-def text_encoder_shards(tiny):
+def text_encoder_shards(tiny, tmp_path_factory):
     """The tiny text encoder (2 layers, all H3 reads with layer=2) split the way the Qwen3-VL release is: shard 1
     holds what H3 reads, shard 2 only layers at or above the one used, the final norm and the LM head."""
     import torch
@@ -40,8 +40,9 @@ def text_encoder_shards(tiny):
     upper["model.language_model.norm.weight"] = torch.ones(hidden)
     upper["lm_head.weight"] = torch.zeros(4, hidden)
     out = {}
+    scratch = tmp_path_factory.mktemp("shards")  # never beside the shared tiny model
     for name, tensors in ((SHARD_1, state), (SHARD_2, upper)):
-        path = folder.parent / Path(name).name
+        path = scratch / Path(name).name
         save_file(tensors, str(path))
         out[name] = path.read_bytes()
     config = json.loads((folder / "config.json").read_text())
