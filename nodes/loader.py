@@ -27,6 +27,7 @@ class H3StreamLoader(io.ComfyNode):
             search_aliases=["minimax h3", "h3 loader", "layerwise offload"],
             inputs=loader_inputs(),
             outputs=[H3Model.Output(display_name="h3_model")],
+            hidden=[io.Hidden.unique_id],  # the node that shows a Hugging Face download's progress
         )
 
     @classmethod
@@ -66,7 +67,8 @@ class H3StreamLoader(io.ComfyNode):
         settings.check_admission()  # linked values too
         sources = model_sources.resolve_sources(source, partition, h3_folder=h3_folder,
                                                 diffusion_model=diffusion_model, text_encoder=text_encoder,
-                                                video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id)
+                                                video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id,
+                                                node_id=cls.hidden.unique_id)
         pipeline = H3Pipeline(sources, device=torch_device, dtype=settings.torch_dtype,
                               component_options=settings.component_options(), **settings.keep_options(),
                               log=log.info)

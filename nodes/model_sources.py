@@ -14,6 +14,8 @@ import folder_paths
 
 from h3_core.errors import CheckpointError, H3Error
 
+from . import comfy_runtime
+
 TINY = "tiny test model (embedded)"
 H3_FOLDER = "models/h3 folder"
 COMFY_REPACK = "ComfyUI repack files"
@@ -93,10 +95,31 @@ def is_inside(path: str, root: str) -> bool:
     return ".." not in Path(os.path.relpath(os.path.abspath(path), os.path.abspath(root))).parts
 
 
+def download_progress(node_id, repo_id: str):
+    """ComfyUI's progress bar and the node's text for a Hugging Face download (`progress(done_bytes, total_bytes)`);
+    the text changes once per percent."""
+    from h3_core.pipeline.hub import progress_text
+
+    bar, shown = None, None
+
+    def report(done: int, total: int) -> None:
+        nonlocal bar, shown
+        if bar is None:
+            bar = comfy_runtime.progress_bar(total, node_id=node_id)
+        bar.update_absolute(done, total)
+        percent = 100 * done // total
+        if percent != shown:
+            shown = percent
+            comfy_runtime.send_progress_text(node_id, progress_text(repo_id, done, total))
+
+    return report
+
+
 def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffusion_model: str = NONE,
                     text_encoder: str = NONE, video_vae: str = NONE, audio_vae: str = NONE,
-                    repo_id: str = DEFAULT_REPO_ID):
-    """The `h3_core.pipeline.ModelSources` of the loader's choice (a Hugging Face repo is fetched here)."""
+                    repo_id: str = DEFAULT_REPO_ID, node_id=None):
+    """The `h3_core.pipeline.ModelSources` of the loader's choice (a Hugging Face repo is fetched here, its progress
+    shown on node `node_id`)."""
     from h3_core.pipeline import ModelSources, resolve_model
 
     if partition not in PARTITIONS:
@@ -143,7 +166,8 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
         repo = (repo_id or "").strip()
         if not repo:
             raise H3Error("repo_id is empty; give a Hugging Face repo id such as 'MiniMaxAI/MiniMax-H3'.")
-        return resolve_model(repo, partition=core_partition, hub_only=True)
+        return resolve_model(repo, partition=core_partition, hub_only=True,
+                             progress=download_progress(node_id, repo))
     raise H3Error(f"source {source!r} is not one of {list(SOURCES)}.")
 
 

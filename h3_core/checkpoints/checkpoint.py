@@ -233,8 +233,12 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
-    """Map every tensor key of `<stem>*.safetensors` in `folder` (through the index when there is one) to its file."""
+def open_folder_files(folder: Path, stem: str,
+                      may_be_absent: Callable[[str], bool] | None = None) -> dict[str, SafetensorsFile]:
+    """Map every tensor key of `<stem>*.safetensors` in `folder` (through the index when there is one) to its file.
+
+    A shard missing from the folder is left out when `may_be_absent(key)` holds for every key the index puts in it
+    (the hub download skips the text encoder's shards that hold only layers H3 never reads)."""
     index_path = folder / f"{stem}.safetensors.index.json"
     files: dict[str, SafetensorsFile] = {}
     if index_path.is_file():
@@ -242,11 +246,18 @@ def open_folder_files(folder: Path, stem: str) -> dict[str, SafetensorsFile]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no 'weight_map' object; the index is corrupt.", path=index_path)
         opened: dict[str, SafetensorsFile] = {}
+        skipped = set()
+        if may_be_absent is not None:
+            needed_shards = {str(shard) for key, shard in weight_map.items() if not may_be_absent(key)}
+            skipped = {str(shard) for shard in weight_map.values()
+                       if str(shard) not in needed_shards and not (folder / str(shard)).is_file()}
         for key, shard in weight_map.items():
             shard_path = folder / str(shard)
             if Path(str(shard)).name != str(shard):
                 raise CheckpointError(f"{index_path}: shard name {shard!r} for key '{key}' must be a plain file name "
                                       "inside the checkpoint folder.", path=index_path, key=key)
+            if str(shard) in skipped:
+                continue
             if shard not in opened:
                 if not shard_path.is_file():
                     raise CheckpointError(

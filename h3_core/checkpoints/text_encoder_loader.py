@@ -72,6 +72,24 @@ def _layer_parameter_names(config: LanguageModelConfig) -> set[str]:
         return {name for name, _ in DecoderLayer(config).named_parameters()}
 
 
+def never_read_by_h3(key: str, layer: int) -> bool:
+    """A stored key H3 never reads when it stops after decoder layer `layer`, in any layout's prefixes: the upper
+    decoder layers, the final norm and the LM head. The hub download skips shards that hold only these."""
+    for outer in sorted(OUTER_PREFIXES, key=len, reverse=True):
+        if not key.startswith(outer):
+            continue
+        rest = key[len(outer):]
+        if rest == "lm_head.weight":
+            return True
+        prefix = next((p for p in LANGUAGE_PREFIXES if rest.startswith(p)), None)
+        if prefix is None:
+            return False
+        tail = rest[len(prefix):]
+        match = _LAYER_KEY.fullmatch(tail)
+        return tail == "norm.weight" or (bool(match) and int(match.group(1)) >= layer)
+    return False
+
+
 def _find_prefixes(keys: set[str]) -> tuple[str | None, str | None]:
     for outer in OUTER_PREFIXES:
         for prefix in LANGUAGE_PREFIXES:
@@ -147,7 +165,7 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
     """Find the layout of `source`, read its config and open (but do not read) the tensors read up to `layer`."""
     path, layout, files, raw_config = resolve_source(
         source, "Give the text_encoder/ folder of an H3 download (or its root) or a ComfyUI text_encoders "
-        ".safetensors file.", _open_single_file, _open_folder)
+        ".safetensors file.", _open_single_file, lambda folder: _open_folder(folder, layer))
     keys = set(files)
     language_prefix, vision_prefix = _find_prefixes(keys)
     if language_prefix is None:
@@ -188,8 +206,9 @@ def _open_single_file(path: Path):
     return path, "comfy", {k: file for k in file.keys()}, None
 
 
-def _open_folder(folder: Path):
-    """The text-encoder folder (`folder` or its `text_encoder/`), its layout, tensors and raw config.json."""
+def _open_folder(folder: Path, layer: int = 50):
+    """The text-encoder folder (`folder` or its `text_encoder/`), its layout, tensors and raw config.json. Shards
+    holding only what is never read up to `layer` may be absent (a hub download skips them)."""
     layout = "official"
     if not (folder / "config.json").is_file() and (folder / "text_encoder" / "config.json").is_file():
         folder = folder / "text_encoder"  # the root of the official repo or of a partition
@@ -212,7 +231,8 @@ def _open_folder(folder: Path):
             path=config_path,
             key="architectures",
         )
-    return folder, layout, open_folder_files(folder, "model"), raw_config
+    may_be_absent = (lambda key: never_read_by_h3(key, layer)) if isinstance(layer, int) else None
+    return folder, layout, open_folder_files(folder, "model", may_be_absent), raw_config
 
 
 def _check(source: Path, layout: str, config: TextEncoderConfig, files: dict[str, SafetensorsFile], layer: int,

@@ -141,6 +141,19 @@ class ProgressBar:
         self.stream.flush()
 
 
+class DownloadBar:
+    """A Hugging Face download's bar on stderr: `(done_bytes, total_bytes)`."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+
+    def __call__(self, done: int, total: int) -> None:
+        filled = int(30 * done / max(total, 1))
+        self.stream.write(f"\rdownloading [{'#' * filled}{'.' * (30 - filled)}] {done / 2**20:.1f}/"
+                          f"{total / 2**20:.1f} MiB" + ("\n" if done >= total else ""))
+        self.stream.flush()
+
+
 def memory_report(device: torch.device) -> str:
     lines = []
     rss = peak_rss_bytes()
@@ -201,7 +214,7 @@ def generate(args, say=print) -> list[Path]:
             "pass --model for real weights")
         sources = resolve_model(ensure_tiny_model(log=say))
     else:
-        sources = resolve_model(args.model, partition=args.partition)
+        sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
     from .planning import plan_components
 
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,

@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, H3Error
-from .hub import download_partition
+from .hub import DEFAULT_TEXT_ENCODER_LAYER, download_partition
 
 PARTITIONS = ("fl2va", "ref2va")
-DEFAULT_TEXT_ENCODER_LAYER = 50
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
@@ -71,7 +70,8 @@ def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8"
 
 
 def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline: bool | None = None,
-                  cache_dir: str | os.PathLike | None = None, hub_only: bool = False) -> ModelSources:
+                  cache_dir: str | os.PathLike | None = None, hub_only: bool = False,
+                  progress=None) -> ModelSources:
     """Find the four components of an H3 download.
 
     `model` is an official diffusers folder (`transformer/`, `text_encoder/`, `vae/`, `audio_vae/`, `tokenizer/`), an
@@ -79,6 +79,7 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
     `audio_vae/`, `text_encoder/`), a ComfyUI `models/` folder (`diffusion_models/`, `text_encoders/`, `vae/`), or a
     Hugging Face repo id, of which only the needed folders are downloaded (offline mode is respected).
     `hub_only=True` accepts a repo id only, never a local path (for inputs that must not reach arbitrary folders).
+    `progress(done_bytes, total_bytes)` follows a download (see `hub.download_partition`).
     """
     if partition not in PARTITIONS:
         raise H3Error(f"partition must be one of {PARTITIONS}, got {partition!r}.")
@@ -86,14 +87,15 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
         if not is_repo_id(str(model)):
             raise H3Error(f"{model!r} is not a Hugging Face repo id ('owner/name', letters, digits, '.', '_', '-'); "
                           "local folders go in ComfyUI's models/h3 folder instead.")
-        return resolve_model(download_partition(str(model), partition, offline, cache_dir), partition=partition)
+        return resolve_model(download_partition(str(model), partition, offline, cache_dir, progress=progress),
+                             partition=partition)
     path = Path(model).expanduser()
     if not path.exists():
         text = str(model)
         if not is_repo_id(text):
             raise CheckpointError(f"{text}: no such folder, and not a Hugging Face repo id ('owner/name').",
                                   path=path)
-        path = download_partition(text, partition, offline, cache_dir)
+        path = download_partition(text, partition, offline, cache_dir, progress=progress)
     if path.is_file():
         raise CheckpointError(f"{path}: a single file holds one component; give the folder of the whole model (or "
                               "pass the component files separately).", path=path)

@@ -1,0 +1,201 @@
+"""A loopback HTTP server standing in for the Hugging Face Hub, with failures injected on request.
+
+It serves what huggingface_hub 2.x calls for a model download (read from its `hf_api.py` / `file_download.py`):
+`GET /api/models/<repo>[/revision/<rev>]?blobs=true` (file list with sizes), `HEAD` and `GET
+/<repo>/resolve/<rev>/<file>` (metadata headers: X-Repo-Commit, ETag, Content-Length; bodies with Range support).
+Every request is logged with its Range header; bytes of file bodies served are counted per file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote, urlsplit
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # an injected reset makes the handler's last flush fail
+        pass
+
+
+@dataclass
+class Request:
+    method: str
+    path: str  # the repo file for /resolve/ requests, "api" for the file list
+    range: str | None
+    authorization: str | None
+
+
+@dataclass
+class Repo:
+    files: dict[str, bytes]
+    commit: str = COMMIT
+    status: int | None = None  # answer every request of this repo with this status (401, 403, ...)
+    ranges: bool = True  # False: ignore Range headers and send whole files, as some proxies do
+
+    def etag(self, name: str) -> str:
+        return hashlib.sha256(self.files[name]).hexdigest()
+
+
+@dataclass
+class LoopbackHub:
+    """`failures[(method, path)]` is a list of what the next requests get, one entry each: "reset" (the connection is
+    reset before an answer), "cut:N" (headers and the first N bytes of the body, then the connection closes), or an
+    HTTP status such as 503."""
+
+    repos: dict[str, Repo]
+    failures: dict[tuple[str, str], list] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    bytes_served: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.lock = threading.Lock()
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                hub.handle(self, "GET")
+
+            def do_HEAD(self):
+                hub.handle(self, "HEAD")
+
+        self.server = _QuietServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+    def fail(self, method: str, path: str, *outcomes) -> None:
+        self.failures.setdefault((method, path), []).extend(outcomes)
+
+    def requested(self, method: str | None = None) -> list[str]:
+        """The paths asked for, in order (file paths for /resolve/, "api" for the file list)."""
+        return [r.path for r in self.requests if method is None or r.method == method]
+
+    # ---- serving ----
+
+    def handle(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        parts = urlsplit(handler.path)
+        path = unquote(parts.path).lstrip("/")
+        repo_id, name, kind = None, None, None
+        if path.startswith("api/models/"):
+            rest = path[len("api/models/"):].split("/")
+            repo_id, kind, name = "/".join(rest[:2]), "api", "api"
+        else:
+            pieces = path.split("/")
+            if len(pieces) >= 5 and pieces[2] == "resolve":
+                repo_id, kind, name = "/".join(pieces[:2]), "resolve", "/".join(pieces[4:])
+        with self.lock:
+            self.requests.append(Request(method, name or path, handler.headers.get("Range"),
+                                         handler.headers.get("Authorization")))
+            queue = self.failures.get((method, name or path))
+            outcome = queue.pop(0) if queue else None
+        if outcome == "reset":
+            self._reset(handler)
+            return
+        if isinstance(outcome, int):
+            self._send(handler, outcome, b"injected failure", {})
+            return
+        repo = self.repos.get(repo_id)
+        if kind is None:
+            self._send(handler, 404, b"not found", {})
+        elif repo is None:
+            self._send(handler, 404, b"Repository not found", {"X-Error-Code": "RepoNotFound"})
+        elif repo.status is not None:
+            self._send(handler, repo.status, b"Access denied", {})
+        elif kind == "api":
+            siblings = [{"rfilename": n, "size": len(b), "blobId": hashlib.sha1(b).hexdigest(),
+                         "lfs": {"sha256": repo.etag(n), "size": len(b), "pointerSize": 134}}
+                        for n, b in sorted(repo.files.items())]
+            body = json.dumps({"id": repo_id, "modelId": repo_id, "sha": repo.commit, "private": False,
+                               "siblings": siblings}).encode()
+            self._send(handler, 200, body, {"Content-Type": "application/json"})
+        elif name not in repo.files:
+            self._send(handler, 404, b"Entry not found", {"X-Error-Code": "EntryNotFound"})
+        else:
+            self._serve_file(handler, method, repo, name, outcome)
+
+    def _serve_file(self, handler, method, repo: Repo, name: str, outcome) -> None:
+        data = repo.files[name]
+        headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{repo.etag(name)}"', "Accept-Ranges": "bytes",
+                   "Content-Type": "application/octet-stream"}
+        start = 0
+        wanted = handler.headers.get("Range")
+        status = 200
+        if wanted and method == "GET" and repo.ranges:
+            start = int(wanted.removeprefix("bytes=").split("-")[0])
+            if start >= len(data):
+                self._send(handler, 416, b"", {"Content-Range": f"bytes */{len(data)}"})
+                return
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
+        body = data[start:]
+        if method == "HEAD":
+            headers["Content-Length"] = str(len(data))
+            handler.send_response(200)
+            for key, value in headers.items():
+                handler.send_header(key, value)
+            handler.end_headers()
+            return
+        if isinstance(outcome, str) and outcome.startswith("cut:"):
+            sent = body[:int(outcome[4:])]
+            handler.send_response(status)
+            for key, value in headers.items():
+                handler.send_header(key, value)
+            handler.send_header("Content-Length", str(len(body)))
+            handler.end_headers()
+            handler.wfile.write(sent)
+            handler.wfile.flush()
+            self._count(name, len(sent))
+            handler.close_connection = True  # a clean close mid-body: the client has the first N bytes
+            handler.connection.shutdown(socket.SHUT_WR)
+            return
+        self._send(handler, status, body, headers)
+        self._count(name, len(body))
+
+    def _count(self, name: str, n: int) -> None:
+        with self.lock:
+            self.bytes_served[name] = self.bytes_served.get(name, 0) + n
+
+    @staticmethod
+    def _send(handler, status: int, body: bytes, headers: dict) -> None:
+        handler.send_response(status)
+        for key, value in headers.items():
+            handler.send_header(key, value)
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        if handler.command != "HEAD":
+            handler.wfile.write(body)
+
+    @staticmethod
+    def _reset(handler) -> None:
+        """Close with a TCP reset (SO_LINGER 0), as a dropped connection looks to the client."""
+        handler.close_connection = True
+        try:
+            handler.wfile.flush()
+        except OSError:
+            pass
+        handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        handler.connection.close()
