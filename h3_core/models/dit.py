@@ -428,11 +428,24 @@ class H3DiT(nn.Module):
         self.weight_recipes: dict = {}
 
     def close(self, restore: bool = True) -> None:
-        """Give streamed weights back to their host store (restoring the original parameters); the model is then
-        fully resident on the host store's device. `restore=False` drops them instead (`H3Pipeline.release`)."""
+        """Drop the residency managers and phase-scoped weights, as the other components' `close` does: every
+        streamed parameter gets its host tensor back (on the host store's device) and the forward then runs with all
+        weights where they are, LoRAs still applied. `restore=False` drops them instead (`H3Pipeline.release`: the
+        model is being dropped and is not usable afterwards)."""
+        streamed = self.streamed_parameter_names()
         self.block_residency.close(restore)
+        self.block_residency = AllResident(self.config.num_layers)
         self.adaln_residency.close(restore)
+        self.adaln_residency = AllResident(self.config.num_layers)
         self.weight_phases.close(restore)
+        self.weight_phases = PhaseScopedWeights()
+        fold = self.lora_fold
+        if restore and fold is not None and fold.targets() & streamed:
+            # The restored host tensors are the checkpoint's: fold the LoRAs into copies, as `set_loras` does for
+            # resident weights (streamed ones got them at each materialisation).
+            for name, parameter in self.named_parameters():
+                if name in streamed and name in fold.targets():
+                    parameter.data = fold.fold(name, parameter.data.clone())
 
     def streamed_parameter_names(self) -> frozenset[str]:
         """Parameters a residency materialises (streamed blocks and AdaLN projections, kept blocks, phase-scoped
