@@ -23,6 +23,7 @@ import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -318,6 +319,22 @@ class Platform:
 
     def empty_cache(self) -> None:
         self._ops.empty_cache()
+
+    def reclaim(self) -> None:
+        """Give cached device memory back: synchronise, then empty the cache (MPS frees are deferred until the
+        queued command buffers complete, so emptying the cache first returns little)."""
+        self.reclaim_action()()
+
+    def reclaim_action(self, empty_cache: Callable[[], None] | None = None) -> Callable[[], None]:
+        """`reclaim` as a function of no arguments, with another `empty_cache` (a host application's own, e.g.
+        ComfyUI's soft_empty_cache) called after the synchronisation."""
+        empty = self.empty_cache if empty_cache is None else empty_cache
+
+        def reclaim() -> None:
+            self.synchronize()
+            empty()
+
+        return reclaim
 
     def allocated_bytes(self) -> int | None:
         """Bytes the device allocator holds for tensors now; None where there is no device allocator."""
