@@ -187,3 +187,37 @@ def test_the_sampler_nodes_reclaim_hook_synchronises_first(recorded_device_ops, 
              steps=2, seed=7, video_shift=12.0, audio_shift=3.0, chunk_size=16)
     reclaims = recorded_device_ops[:-1]  # the last one: the node's own call after the phase
     assert len(reclaims) >= 4 and reclaims == ["synchronize", "soft_empty_cache"] * (len(reclaims) // 2)
+
+
+# ---- return_dict, unknown device types ------------------------------------------------------------------------------
+
+
+def test_return_dict_gives_diffusers_output_fields(tmp_path):
+    from h3_fixtures import TINY, reference_model, rel_l2, save_diffusers
+
+    reference = reference_model(TINY, seed=2)
+    inputs_ = packed_inputs(TINY, seed=4)
+    with torch.no_grad():
+        expected = reference(**inputs_)  # diffusers' default: return_dict=True
+    model = h3_core.load_dit(save_diffusers(reference, tmp_path / "transformer"))
+    with torch.no_grad():
+        out = model(**inputs_, return_dict=True)
+        plain = model(**inputs_)
+    assert type(plain) is tuple and len(plain) == 2
+    assert rel_l2(out.sample, expected.sample) <= 1e-5 and rel_l2(out.audio_sample, expected.audio_sample) <= 1e-5
+    assert torch.equal(out.sample, plain[0]) and torch.equal(out.audio_sample, plain[1])
+
+
+@pytest.mark.parametrize("device", ["xpu", "meta", "hpu:0"])
+def test_an_unsupported_device_type_is_refused_with_the_supported_ones(device, tiny):
+    from h3_core.pipeline import H3Pipeline, resolve_model
+    from h3_core.runtime.platform import PlatformError
+
+    kind = device.split(":")[0]
+    message = (f"device '{kind}' is not supported: h3_core runs on cpu, cuda, mps (it has no chunk limits, copy or "
+               f"reclaim rules for '{kind}'). Choose one of those.")
+    with pytest.raises(PlatformError) as error:
+        H3Pipeline(resolve_model(tiny), device=device)
+    assert str(error.value) == message
+    with pytest.raises(PlatformError, match="is not supported"):
+        Platform.for_device(device)

@@ -13,7 +13,7 @@ Precision follows the released checkpoint: the patch projections, the time MLP a
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -580,7 +580,8 @@ class H3DiT(nn.Module):
                 token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False, *,
                 chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None,
                 refined_text: torch.Tensor | None = None, modulation: AdaLNCall | None = None):
-        """The diffusers call, plus options of this call only: `chunking` (default: the model's `chunking`),
+        """The diffusers call (`return_dict=True` gives an `H3DiTOutput` with diffusers' field names, False the
+        tuple `(video, audio)`), plus options of this call only: `chunking` (default: the model's `chunking`),
         `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check), and the
         step-invariant work done beforehand: `refined_text` (`refine_text(encoder_hidden_states)`, then the text
         refiner does not run) and `modulation` (this call's `AdaLNPlan.call(timestep)`, then no AdaLN projection
@@ -632,4 +633,12 @@ class H3DiT(nn.Module):
             for r in passes:
                 r.end_pass()  # also after an exception in a block: the next forward starts clean
 
-        return self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)
+        video, audio = self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)
+        return H3DiTOutput(video, audio) if return_dict else (video, audio)
+
+
+class H3DiTOutput(NamedTuple):
+    """`forward(..., return_dict=True)`: the fields of diffusers' `MiniMaxH3TransformerOutput` (a tuple as well)."""
+
+    sample: torch.Tensor  # video velocity rows, in `video_indices` order
+    audio_sample: torch.Tensor  # audio velocity rows, in `audio_indices` order

@@ -24,6 +24,7 @@ from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..runtime.chunking import ChunkingPolicy
+from ..runtime.platform import Platform
 from .keyframes import pil_to_frames, prepare_keyframes
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
@@ -105,6 +106,7 @@ class H3Pipeline:
                  log: Callable[[str], None] | None = None):
         self.sources = sources
         self.device = torch.device(device)
+        Platform.for_device(self.device)  # an unsupported device type is refused here, before any loading
         self.dtype = dtype
         self.component_options = {k: dict(v) for k, v in (component_options or {}).items()}
         unknown = set(self.component_options) - set(self.COMPONENTS)

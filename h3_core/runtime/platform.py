@@ -206,19 +206,29 @@ _FACTS = {
 }
 
 
+SUPPORTED_DEVICE_TYPES = tuple(_FACTS)
+
+
 class PlatformError(H3Error):
     """A setting asks for something the platform cannot do (e.g. fp16 decode autocast off CUDA)."""
 
 
 @dataclass(frozen=True)
 class Platform:
-    """One device kind (`device_type`: "cuda", "mps" or "cpu"; other kinds behave as the CPU) and its index.
+    """One device kind (`device_type`: "cuda", "mps" or "cpu") and its index. Other kinds are refused
+    (`PlatformError`): their chunk caps, copy and reclaim rules are unknown, and the CPU's could be silently wrong.
 
     Two platforms are equal when their kinds are: the rules and caps are per kind.
     """
 
     device_type: str
     index: int | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.device_type not in _FACTS:
+            raise PlatformError(
+                f"device {self.device_type!r} is not supported: h3_core runs on {', '.join(SUPPORTED_DEVICE_TYPES)} "
+                f"(it has no chunk limits, copy or reclaim rules for {self.device_type!r}). Choose one of those.")
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "Platform":
@@ -239,7 +249,7 @@ class Platform:
 
     @property
     def _facts(self) -> _Facts:
-        return _FACTS.get(self.device_type, _FACTS["cpu"])
+        return _FACTS[self.device_type]
 
     @property
     def device(self) -> torch.device:
