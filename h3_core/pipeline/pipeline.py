@@ -81,6 +81,21 @@ class ResidencySummary:
     lora_fold_peak_bytes: int = 0
 
 
+def compute_dtype(model) -> torch.dtype | None:
+    """The dtype a component computes in: the transformer's residual stream, else its first float parameter."""
+    dtype = getattr(model, "residual_dtype", None)
+    if dtype is not None:
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def check_finite_latents(latent: torch.Tensor, kind: str) -> None:
+    if not torch.isfinite(latent).all():
+        raise H3Error(f"the {kind} latents given to decode contain NaN or Inf values, so there is nothing to decode: "
+                      "the decoder's input is not finite. Sample them again (the sampler checks its own outputs, so "
+                      "they were changed or made elsewhere).")
+
+
 def serialised(method):
     """Run `method` holding the pipeline's lock: the components are shared, mutable state (streamed weights bound to
     device slots, the loaded set, the LoRA set), so a second thread's call waits for the first to finish (the lock is
@@ -236,7 +251,9 @@ class H3Pipeline:
         if not self.keep_text_encoder:
             self.release("text_encoder")
         if not torch.isfinite(states).all():
-            raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder), "its output")
+            raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
+                                   "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
+                                   config=getattr(encoder, "config", None))
         return Conditioning(states.detach(), tags.detach(), keyframes, anchors)
 
     @serialised
@@ -283,7 +300,16 @@ class H3Pipeline:
             return []
         self.enter_phase("keyframe encode")
         vae = self.component("video_vae")
-        return [vae.encode(pil_to_frames(image).to(self.device)).float().cpu() for image in cond.keyframes]
+        latents = []
+        for index, image in enumerate(cond.keyframes):
+            latent = vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
+            if not torch.isfinite(latent).all():
+                which = cond.anchors[index] if index < len(cond.anchors) else str(index + 1)
+                raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
+                                       f"keyframe encode (the {which} keyframe's latent)", dtype=compute_dtype(vae),
+                                       config=getattr(vae, "config", None))
+            latents.append(latent)
+        return latents
 
     @staticmethod
     def _chunking(dit, chunk_size, between_chunks) -> ChunkingPolicy | None:
@@ -298,19 +324,25 @@ class H3Pipeline:
     @serialised
     def decode_video(self, latents: Latents) -> torch.Tensor:
         """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause."""
+        check_finite_latents(latents.video, "video")
         self.enter_phase("video decode")
-        frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
+        vae = self.component("video_vae")
+        frames = vae.decode(latents.video.to(self.device))[0].float().cpu()
         if not torch.isfinite(frames).all():
-            raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding")
+            raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding",
+                                   dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return frames.contiguous()
 
     @serialised
     def decode_audio(self, latents: Latents) -> torch.Tensor:
         """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length."""
+        check_finite_latents(latents.audio, "audio")
         self.enter_phase("audio decode")
-        waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
+        vae = self.component("audio_vae")
+        waveform = vae.decode(latents.audio.to(self.device))[0].float().cpu()
         if not torch.isfinite(waveform).all():
-            raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding")
+            raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding",
+                                   dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
 
     @serialised
