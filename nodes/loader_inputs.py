@@ -7,6 +7,7 @@ from comfy_api.latest import io
 
 from . import comfy_runtime, model_sources
 from .memory_settings import DTYPES, LAYERWISE_OFFLOAD, RESIDENCIES, RESIDENT
+from .request_inputs import MAX_CHUNK_SIZE
 
 RESIDENCY_TOOLTIP = ("RESIDENT keeps every weight of the {what} on the device, loaded through every phase and prompt. "
                      "LAYERWISE_OFFLOAD keeps its {blocks} in host memory (on Apple MPS: the memory-mapped files "
@@ -41,7 +42,7 @@ def loader_inputs() -> list:
         io.Int.Input("resident_blocks", default=0, min=0, max=256,
                      tooltip="With layerwise offload, keep this many of the first transformer blocks on the "
                              "device (faster, costs about 1.2 GiB each in bf16)."),
-        io.Int.Input("chunk_size", default=0, min=0, max=1 << 20,
+        io.Int.Input("chunk_size", default=0, min=0, max=MAX_CHUNK_SIZE,
                      tooltip="Packed rows per chunk of the transformer's attention and MLP. 0: from the "
                              "memory budget (one fused pass when there is no budget)."),
         io.Int.Input("memory_budget_mib", default=0, min=0, max=1 << 22,

@@ -7,6 +7,8 @@ from comfy_api.latest import io
 
 MAX_CANVAS = 4096
 MAX_FRAMES = 17 * 64 + 5
+# Rows per chunk: chunks exist to bound a pass's temporaries, and 64k rows is more than a 15 s 768p sequence (~50k).
+MAX_CHUNK_SIZE = 1 << 16
 CANVAS_TOOLTIP = ("Canvas {what} in pixels (multiple of 32). Keyframes are fitted to it before the vision encoder "
                   "sees them, so it must equal the sampler's {what} when a keyframe is connected.")
 
@@ -36,7 +38,7 @@ def sampler_inputs() -> list:
                        tooltip="Sigma shift of the video schedule (12 for the released model)."),
         io.Float.Input("audio_shift", default=3.0, min=0.0, max=100.0, step=0.1,
                        tooltip="Sigma shift of the audio schedule (3 for the released model)."),
-        io.Int.Input("chunk_size", default=0, min=0, max=1 << 20,
+        io.Int.Input("chunk_size", default=0, min=0, max=MAX_CHUNK_SIZE,
                      tooltip="Packed rows per chunk for this run only. 0: the loader's setting."),
     ]
 

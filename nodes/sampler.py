@@ -39,6 +39,7 @@ class H3StreamSampler(io.ComfyNode):
         from h3_core.errors import H3Error
         from h3_core.pipeline.layout import LatentShape, frames_for_seconds
         from h3_core.runtime.chunking import EveryNChunks
+        from h3_core.runtime.platform import Platform
 
         error = canvas_error(width, height) or frame_count_error(seconds, frames)
         if error:
@@ -55,7 +56,9 @@ class H3StreamSampler(io.ComfyNode):
             needed["video_vae"] = sources.video_vae
         comfy_runtime.free_memory_for(needed, settings, pipeline.device)
         unique_id = cls.hidden.unique_id
-        reclaim = (EveryNChunks(settings.mps_reclaim_every, comfy_runtime.soft_empty_cache)
+        # Synchronised first: MPS frees are deferred until the queued work completes.
+        reclaim = (EveryNChunks(settings.mps_reclaim_every,
+                                Platform.for_device(pipeline.device).reclaim_action(comfy_runtime.soft_empty_cache))
                    if settings.mps_reclaim_every > 0 else None)
         with memory_report(unique_id, h3_model, "sampling", blocks_of="transformer"):
             comfy_runtime.check_interrupt()

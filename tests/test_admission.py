@@ -34,7 +34,8 @@ def test_the_all_layerwise_single_device_eager_plan_is_admitted():
 
 def test_every_component_must_be_layerwise_on_mps():
     error = refused(plan(text_encoder=ComponentPlan("resident", "mps")))
-    assert error.violations == [("text_encoder", error.violations[0][1], "set residency='layerwise'")]
+    assert error.violations == [("text_encoder", "is resident; on unified memory that holds a second copy of weights "
+                                                 "already mapped from disk", "set residency='layerwise'")]
     assert "text_encoder: is resident" in str(error) and "fix: set residency='layerwise'" in str(error)
     # All four resident: one error naming all four.
     error = refused({name: ComponentPlan(h3_core.Residency.RESIDENT, "mps") for name in COMPONENTS})
@@ -94,7 +95,16 @@ def test_other_platforms_admit_resident_and_compiled_components():
 
 def test_platform_for_a_device():
     assert Platform.for_device("mps:0") == MPS and Platform.for_device("cuda") == CUDA
-    assert Platform.detect().device_type in ("cuda", "mps", "cpu")
+    assert Platform.for_device("cpu") == Platform("cpu") != MPS
+
+
+@pytest.mark.parametrize("cuda,mps,expected", [(True, True, "cuda"), (False, True, "mps"), (False, False, "cpu")])
+def test_detect_prefers_cuda_then_mps_then_the_cpu(monkeypatch, cuda, mps, expected):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    assert Platform.detect() == Platform(expected)
 
 
 def test_load_dit_applies_the_rules_before_reading_anything(tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 import comfy_double
@@ -29,13 +32,32 @@ def test_h3_folder_name_cannot_climb_out(sources, tmp_path):
     assert folder_paths.get_folder_paths(sources.H3_FOLDER_KEY)  # the folder the node confines to exists
 
 
-@pytest.mark.parametrize("name", ["../../../../etc/passwd", "../secrets.safetensors", "/etc/passwd"])
-def test_model_file_names_cannot_climb_out(sources, tmp_path, name):
-    secret = tmp_path / "secrets.safetensors"
+def unanchored_get_full_path(folder_name: str, filename: str) -> str | None:
+    """`folder_paths.get_full_path` as ComfyUI had it before it anchored names at "/" (and as forks still have it):
+    the widget's value joined to each model folder, unchecked. Current ComfyUI's anchoring would stop '..' on its
+    own, so the pack's guard is tested against this lookup: with it, only the guard stands in the way."""
+    import folder_paths
+
+    for root in folder_paths.get_folder_paths(folder_name):
+        candidate = os.path.join(root, filename)
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+@pytest.mark.parametrize("name", ["../../../secrets.safetensors", "{secret}"])
+def test_model_file_names_cannot_climb_out(sources, tmp_path, monkeypatch, name):
+    import folder_paths
+
+    secret = tmp_path / "secrets.safetensors"  # next to the ComfyUI base folder, outside every model folder
     secret.write_bytes(b"")
-    with pytest.raises(CheckpointError, match="not in ComfyUI's 'diffusion_models' folders"):
+    name = name.format(secret=secret)
+    monkeypatch.setattr(folder_paths, "get_full_path", unanchored_get_full_path)
+    assert Path(folder_paths.get_full_path("diffusion_models", name)).resolve() == secret  # the lookup climbs out
+    with pytest.raises(CheckpointError) as info:
         sources.resolve_sources(sources.COMFY_REPACK, "FL2VA", diffusion_model=name, text_encoder="x",
                                 video_vae="x", audio_vae="x")
+    assert str(info.value).startswith(f"diffusion_model: {name!r} is not in ComfyUI's 'diffusion_models' folders")
 
 
 @pytest.mark.parametrize("repo", ["../models", "/etc", "owner/name/extra", "owner/..", "models/h3 folder",

@@ -95,29 +95,58 @@ def test_text_parity_at_other_layers(setup, layer):
 
 
 def _reference_keyframe_run(setup, prompt, images, layer):
-    """The reference FL2VA recipe (diffusers `MiniMaxH3FL2VATextEncoderStep`): processor pixels, then per keyframe
-    `"<Picture i>: "` + vision block, then the prompt, each piece tokenised on its own."""
-    processed = reference_image_processor()(images=images, return_tensors="pt")
-    grids = processed["image_grid_thw"]
-    ids = []
-    for index in range(len(images)):
-        ids += reference_ids(setup["tokenizer"], f"<Picture {index + 1}>: ")
-        ids += [151652] + [IMAGE_PAD_ID] * (int(grids[index].prod()) // 4) + [151653]
-    ids += reference_ids(setup["tokenizer"], prompt)
-    states = reference_states(setup["reference"], ids, layer, processed["pixel_values"], grids)
-    return ids, states, processed
+    """diffusers' own FL2VA text-encoder step (`MiniMaxH3FL2VATextEncoderStep`) on the reference model: it builds
+    the presentation (a `"<Picture i>: "` label and a vision block per keyframe, then the prompt) and the per-row tags
+    itself, and returns `hidden_states[layer]`. Its components as the diffusers pipeline loads them: the tokenizer
+    from the release's tokenizer.json, the Qwen2-VL image processor. The processor is transformers' Qwen3VLProcessor
+    with only what the step reads (its image processor and pad-token ids): its constructor also builds a video
+    processor, which needs torchvision."""
+    from types import SimpleNamespace
+
+    from diffusers.modular_pipelines import PipelineState
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3FL2VATextEncoderStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_TEXT_TAG, MINIMAX_H3_VIDEO_TAG
+    from transformers import Qwen2TokenizerFast, Qwen3VLProcessor
+
+    tokenizer = Qwen2TokenizerFast(tokenizer_file=str(setup["tokenizer"]))
+    processor = Qwen3VLProcessor.__new__(Qwen3VLProcessor)
+    processor.image_processor = reference_image_processor()
+    processor.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    processor.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    components = SimpleNamespace(tokenizer=tokenizer, processor=processor, text_encoder=setup["reference"],
+                                 text_encoder_layer=layer, text_tag=MINIMAX_H3_TEXT_TAG, video_tag=MINIMAX_H3_VIDEO_TAG,
+                                 _execution_device=torch.device("cpu"))
+    state = PipelineState()
+    state.set("prompt", prompt)
+    state.set("keyframes", list(images))
+    MiniMaxH3FL2VATextEncoderStep()(components, state)
+    return state.get("prompt_embeds")[0], state.get("text_token_tags")
+
+
+def _reference_token_ids(setup, prompt, images, monkeypatch) -> list[int]:
+    """The token ids of the presentation diffusers' FL2VA step hands to the conditioner."""
+    from diffusers.modular_pipelines.minimax_h3 import encoders
+
+    seen = []
+    conditioner = encoders.get_qwen3vl_prompt_embeds
+    monkeypatch.setattr(encoders, "get_qwen3vl_prompt_embeds",
+                        lambda encoder, processor, token_ids, *a, **k: (seen.append(list(token_ids)),
+                                                                       conditioner(encoder, processor, token_ids, *a,
+                                                                                   **k))[1])
+    _reference_keyframe_run(setup, prompt, images, 1)
+    return seen[0]
 
 
 def test_keyframe_parity(setup):
     image = picture(130, 90, seed=1)
     states, tags = setup["encoder"].encode("a fox in the snow", images=[image])
-    ids, expected, processed = _reference_keyframe_run(setup, "a fox in the snow", [image], LAYER)
+    expected, expected_tags = _reference_keyframe_run(setup, "a fox in the snow", [image], LAYER)
     assert states.shape == expected.shape
     assert relative_l2(states, expected) <= TOLERANCE
-    # Tags: label and prompt 1, the whole vision block (start, pads, end) 0.
-    start, end = ids.index(151652), ids.index(151653)
-    assert tags.tolist() == [1] * start + [0] * (end - start + 1) + [1] * (len(ids) - end - 1)
+    # Tags: label and prompt text, the whole vision block (start, pads, end) video, row for row as diffusers has them.
+    assert tags.tolist() == expected_tags.tolist() and 0 in expected_tags.tolist()
     # The preprocessing equals the released processor's.
+    processed = reference_image_processor()(images=[image], return_tensors="pt")
     prepared = prepare_image(image, setup["encoder"].image_processor)
     assert prepared.grid == tuple(processed["image_grid_thw"][0].tolist())
     assert torch.allclose(prepared.patches, processed["pixel_values"], atol=1e-6, rtol=0)
@@ -129,9 +158,18 @@ def test_two_keyframe_parity(setup, layer):
     images = [picture(300, 200, seed=2), picture(64, 250, seed=3)]
     encoder = setup["encoder"] if layer == LAYER else load_text_encoder(setup["official"], layer=layer)
     states, tags = encoder.encode("then it runs away", images=images)
-    ids, expected, _ = _reference_keyframe_run(setup, "then it runs away", images, layer)
+    expected, expected_tags = _reference_keyframe_run(setup, "then it runs away", images, layer)
     assert relative_l2(states, expected) <= TOLERANCE
-    assert int((tags == 0).sum()) == sum(1 for i in ids if i in (151652, 151653, IMAGE_PAD_ID))
+    assert tags.tolist() == expected_tags.tolist()
+
+
+def test_keyframe_token_order_is_diffusers(setup, monkeypatch):
+    """Labels, vision blocks and prompt in diffusers' order, token for token (the tokenizer's `present`)."""
+    images = [picture(300, 200, seed=2), picture(64, 250, seed=3)]
+    encoder = setup["encoder"]
+    counts = [prepare_image(image, encoder.image_processor).num_tokens for image in images]
+    ours = list(encoder.tokenizer.present("then it runs away", counts).token_ids)
+    assert ours == _reference_token_ids(setup, "then it runs away", images, monkeypatch)
 
 
 def test_image_input_types_agree(setup):

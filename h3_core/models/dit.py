@@ -13,7 +13,7 @@ Precision follows the released checkpoint: the patch projections, the time MLP a
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -428,11 +428,24 @@ class H3DiT(nn.Module):
         self.weight_recipes: dict = {}
 
     def close(self, restore: bool = True) -> None:
-        """Give streamed weights back to their host store (restoring the original parameters); the model is then
-        fully resident on the host store's device. `restore=False` drops them instead (`H3Pipeline.release`)."""
+        """Drop the residency managers and phase-scoped weights, as the other components' `close` does: every
+        streamed parameter gets its host tensor back (on the host store's device) and the forward then runs with all
+        weights where they are, LoRAs still applied. `restore=False` drops them instead (`H3Pipeline.release`: the
+        model is being dropped and is not usable afterwards)."""
+        streamed = self.streamed_parameter_names()
         self.block_residency.close(restore)
+        self.block_residency = AllResident(self.config.num_layers)
         self.adaln_residency.close(restore)
+        self.adaln_residency = AllResident(self.config.num_layers)
         self.weight_phases.close(restore)
+        self.weight_phases = PhaseScopedWeights()
+        fold = self.lora_fold
+        if restore and fold is not None and fold.targets() & streamed:
+            # The restored host tensors are the checkpoint's: fold the LoRAs into copies, as `set_loras` does for
+            # resident weights (streamed ones got them at each materialisation).
+            for name, parameter in self.named_parameters():
+                if name in streamed and name in fold.targets():
+                    parameter.data = fold.fold(name, parameter.data.clone())
 
     def streamed_parameter_names(self) -> frozenset[str]:
         """Parameters a residency materialises (streamed blocks and AdaLN projections, kept blocks, phase-scoped
@@ -567,7 +580,8 @@ class H3DiT(nn.Module):
                 token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False, *,
                 chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None,
                 refined_text: torch.Tensor | None = None, modulation: AdaLNCall | None = None):
-        """The diffusers call, plus options of this call only: `chunking` (default: the model's `chunking`),
+        """The diffusers call (`return_dict=True` gives an `H3DiTOutput` with diffusers' field names, False the
+        tuple `(video, audio)`), plus options of this call only: `chunking` (default: the model's `chunking`),
         `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check), and the
         step-invariant work done beforehand: `refined_text` (`refine_text(encoder_hidden_states)`, then the text
         refiner does not run) and `modulation` (this call's `AdaLNPlan.call(timestep)`, then no AdaLN projection
@@ -619,4 +633,12 @@ class H3DiT(nn.Module):
             for r in passes:
                 r.end_pass()  # also after an exception in a block: the next forward starts clean
 
-        return self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)
+        video, audio = self.final_layer(x, time_act, timestep_indices, video_indices, audio_indices, chunks)
+        return H3DiTOutput(video, audio) if return_dict else (video, audio)
+
+
+class H3DiTOutput(NamedTuple):
+    """`forward(..., return_dict=True)`: the fields of diffusers' `MiniMaxH3TransformerOutput` (a tuple as well)."""
+
+    sample: torch.Tensor  # video velocity rows, in `video_indices` order
+    audio_sample: torch.Tensor  # audio velocity rows, in `audio_indices` order

@@ -9,7 +9,9 @@ sampling, the transformer before decoding. Peak memory is that of the largest ph
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -24,6 +26,7 @@ from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..runtime.chunking import ChunkingPolicy
+from ..runtime.platform import Platform
 from .keyframes import pil_to_frames, prepare_keyframes
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
@@ -78,6 +81,34 @@ class ResidencySummary:
     lora_fold_peak_bytes: int = 0
 
 
+def compute_dtype(model) -> torch.dtype | None:
+    """The dtype a component computes in: the transformer's residual stream, else its first float parameter."""
+    dtype = getattr(model, "residual_dtype", None)
+    if dtype is not None:
+        return dtype
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def check_finite_latents(latent: torch.Tensor, kind: str) -> None:
+    if not torch.isfinite(latent).all():
+        raise H3Error(f"the {kind} latents given to decode contain NaN or Inf values, so there is nothing to decode: "
+                      "the decoder's input is not finite. Sample them again (the sampler checks its own outputs, so "
+                      "they were changed or made elsewhere).")
+
+
+def serialised(method):
+    """Run `method` holding the pipeline's lock: the components are shared, mutable state (streamed weights bound to
+    device slots, the loaded set, the LoRA set), so a second thread's call waits for the first to finish (the lock is
+    re-entrant: `generate` holds it across its phases)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 # The module that runs each component's block loop (it holds the `block_residency`).
 _BLOCK_LOOP = {"text_encoder": lambda model: model.language_model, "transformer": lambda model: model,
                "video_vae": lambda model: model.decoder, "audio_vae": lambda model: model.decoder}
@@ -94,6 +125,8 @@ class H3Pipeline:
     prompt. `keep_text_encoder`, `keep_transformer`, `keep_video_vae` and `keep_audio_vae` keep that component
     loaded through every phase once loaded (until `release` / `release_all`): faster for repeated runs, and counted
     in every phase by the memory plan (`plan_for_budget(keep=...)`).
+
+    Calls from several threads are serialised (one lock per pipeline): a second `generate` waits for the first.
     """
 
     COMPONENTS = COMPONENTS
@@ -105,6 +138,7 @@ class H3Pipeline:
                  log: Callable[[str], None] | None = None):
         self.sources = sources
         self.device = torch.device(device)
+        Platform.for_device(self.device)  # an unsupported device type is refused here, before any loading
         self.dtype = dtype
         self.component_options = {k: dict(v) for k, v in (component_options or {}).items()}
         unknown = set(self.component_options) - set(self.COMPONENTS)
@@ -116,9 +150,12 @@ class H3Pipeline:
         self.keep_audio_vae = keep_audio_vae
         self.log = log or (lambda message: None)
         self._loaded: dict[str, object] = {}
+        # One call at a time: two threads generating on one pipeline would drive the same residency managers.
+        self._lock = threading.RLock()
 
     # -- components ----------------------------------------------------------------------------------------------
 
+    @serialised
     def component(self, name: str):
         if name in self._loaded:
             return self._loaded[name]
@@ -140,6 +177,7 @@ class H3Pipeline:
         self._loaded[name] = loaded
         return loaded
 
+    @serialised
     def release(self, name: str) -> None:
         """Drop a component (its memory maps and device copies go with it)."""
         component = self._loaded.pop(name, None)
@@ -150,6 +188,7 @@ class H3Pipeline:
             del component
             gc.collect()
 
+    @serialised
     def release_all(self) -> None:
         for name in list(self._loaded):
             self.release(name)
@@ -164,6 +203,7 @@ class H3Pipeline:
         """The components kept loaded across phases (the `keep_*` options)."""
         return frozenset(name for name in self.COMPONENTS if getattr(self, f"keep_{name}"))
 
+    @serialised
     def enter_phase(self, phase: str) -> None:
         """Start `phase` (one of `PHASES`): release every loaded component it does not run, unless kept."""
         runs = dict(self.PHASES).get(phase)
@@ -175,6 +215,7 @@ class H3Pipeline:
                 self.log(f"{phase}: releasing {name} (not kept)")
                 self.release(name)
 
+    @serialised
     def residency_summary(self, name: str) -> ResidencySummary | None:
         """The block placement of a loaded component; None when it is not loaded (nothing is loaded here)."""
         if name not in self.COMPONENTS:
@@ -193,6 +234,7 @@ class H3Pipeline:
 
     # -- phases --------------------------------------------------------------------------------------------------
 
+    @serialised
     def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
                       last_frame=None) -> Conditioning:
         if not isinstance(prompt, str):
@@ -209,9 +251,12 @@ class H3Pipeline:
         if not self.keep_text_encoder:
             self.release("text_encoder")
         if not torch.isfinite(states).all():
-            raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder), "its output")
+            raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
+                                   "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
+                                   config=getattr(encoder, "config", None))
         return Conditioning(states.detach(), tags.detach(), keyframes, anchors)
 
+    @serialised
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
                video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
                check_interrupt=None, chunk_size: int | None = None,
@@ -247,6 +292,7 @@ class H3Pipeline:
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape)
 
+    @serialised
     def encode_keyframes(self, cond: Conditioning) -> list[torch.Tensor]:
         """The keyframe-encode phase: the video VAE's latent [1, 24, 1, H/16, W/16] of each keyframe, on the CPU
         (none without keyframes, and then the phase does not run). `sample` calls it."""
@@ -254,7 +300,16 @@ class H3Pipeline:
             return []
         self.enter_phase("keyframe encode")
         vae = self.component("video_vae")
-        return [vae.encode(pil_to_frames(image).to(self.device)).float().cpu() for image in cond.keyframes]
+        latents = []
+        for index, image in enumerate(cond.keyframes):
+            latent = vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
+            if not torch.isfinite(latent).all():
+                which = cond.anchors[index] if index < len(cond.anchors) else str(index + 1)
+                raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
+                                       f"keyframe encode (the {which} keyframe's latent)", dtype=compute_dtype(vae),
+                                       config=getattr(vae, "config", None))
+            latents.append(latent)
+        return latents
 
     @staticmethod
     def _chunking(dit, chunk_size, between_chunks) -> ChunkingPolicy | None:
@@ -266,25 +321,35 @@ class H3Pipeline:
             overrides["between_chunks"] = between_chunks
         return dataclasses.replace(dit.chunking, **overrides)  # validated again by ChunkingPolicy
 
+    @serialised
     def decode_video(self, latents: Latents) -> torch.Tensor:
         """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause."""
+        check_finite_latents(latents.video, "video")
         self.enter_phase("video decode")
-        frames = self.component("video_vae").decode(latents.video.to(self.device))[0].float().cpu()
+        vae = self.component("video_vae")
+        frames = vae.decode(latents.video.to(self.device))[0].float().cpu()
         if not torch.isfinite(frames).all():
-            raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding")
+            raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding",
+                                   dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return frames.contiguous()
 
+    @serialised
     def decode_audio(self, latents: Latents) -> torch.Tensor:
         """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length."""
+        check_finite_latents(latents.audio, "audio")
         self.enter_phase("audio decode")
-        waveform = self.component("audio_vae").decode(latents.audio.to(self.device))[0].float().cpu()
+        vae = self.component("audio_vae")
+        waveform = vae.decode(latents.audio.to(self.device))[0].float().cpu()
         if not torch.isfinite(waveform).all():
-            raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding")
+            raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding",
+                                   dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
 
+    @serialised
     def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
         return self.decode_video(latents), self.decode_audio(latents)
 
+    @serialised
     def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
                  audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,

@@ -6,6 +6,8 @@ the DiT predicts the data-ward velocity `v = x0 - eps`. All sampler state is flo
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,12 @@ class Schedule:
 
     @classmethod
     def build(cls, num_steps: int, video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT) -> "Schedule":
+        for name, shift, default in (("video_shift", video_shift, VIDEO_SHIFT), ("audio_shift", audio_shift,
+                                                                                   AUDIO_SHIFT)):
+            # inf passes `shift > 0` and makes every sigma NaN, which the transformer would be blamed for.
+            if isinstance(shift, (int, float)) and not math.isfinite(shift):
+                raise H3Error(f"{name} must be a finite positive number ({default:g} for the released model), got "
+                              f"{shift}.")
         video = sigma_schedule(num_steps, video_shift)
         audio = sigma_schedule(num_steps, audio_shift)
         if video.numel() != audio.numel():
@@ -136,6 +144,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     `DenoiseResult.step_cache_bytes`), so no step runs or fetches the text refiner or an AdaLN projection. Built per
     call, so it always has the model's current LoRAs. The outputs are bitwise those of `step_cache=False`.
     """
+    check_finite_inputs(text_states, schedule, video_rows, audio_rows)
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
     before_block = None
@@ -168,8 +177,12 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                 kwargs["modulation"] = plan.call(timestep)
             v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
                                      timestep_indices.to(device), **kwargs)
-            if not (torch.isfinite(v_video).all() and torch.isfinite(v_audio).all()):
-                raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()), f"step {i + 1}")
+            for name, velocity in (("video", v_video), ("audio", v_audio)):
+                if not torch.isfinite(velocity).all():
+                    raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()),
+                                           f"step {i + 1} of {total} (its {name} velocity output)",
+                                           dtype=getattr(model, "residual_dtype", None),
+                                           config=getattr(model, "config", None))
             video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
                                     schedule.video_sigmas[i + 1])
             audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
@@ -179,8 +192,55 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     return DenoiseResult(video[nc:], audio, plan.host_bytes if plan is not None else 0)
 
 
-def non_finite_error(component: str, checkpoint_files, where: str) -> H3Error:
-    """An output came out NaN/Inf: name the checkpoint tensor responsible when there is one."""
+def check_finite_inputs(text_states, schedule: Schedule, video_rows, audio_rows) -> None:
+    """The sampling loop's inputs are finite; otherwise the error names the input (not the transformer)."""
+    for name, sigmas in (("video", schedule.video_sigmas), ("audio", schedule.audio_sigmas)):
+        if not torch.isfinite(sigmas).all():
+            raise H3Error(f"the {name} sigma schedule contains NaN or Inf values (check {name}_shift): the sampler "
+                          "input is not finite, so sampling cannot start.")
+    for tensor, what in ((text_states, "the text states given to the sampler (the text encoder's conditioning)"),
+                         (video_rows, "the initial video rows given to the sampler (noise and keyframe latents)"),
+                         (audio_rows, "the initial audio rows given to the sampler (noise)")):
+        if not torch.isfinite(tensor).all():
+            raise H3Error(f"{what} contain NaN or Inf values: the sampler input is not finite, so sampling cannot "
+                          "start. Encode the prompt (and keyframes) again.")
+
+
+def overflow_advice(dtype: torch.dtype | None) -> str:
+    """What to try when finite weights gave NaN/Inf, for the dtype the component ran in."""
+    if dtype == torch.float16:
+        return "the numbers overflowed float16's range. Set the dtype to bfloat16 or float32 rather than float16."
+    if dtype == torch.bfloat16:
+        return "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."
+    if dtype == torch.float32:
+        return ("the run is already float32, so this is not a precision problem: check the inputs of this stage and "
+                "the component's config values (eps, scales), or report it with the request that caused it.")
+    return "the numbers overflowed. Set the dtype to float32 rather than float16, or check the inputs."
+
+
+def non_finite_config_value(config, prefix: str = "", depth: int = 0) -> tuple[str, object] | None:
+    """The first NaN/Inf number of a config dataclass (nested configs and lists of numbers included)."""
+    if config is None or depth > 3 or not dataclasses.is_dataclass(config):
+        return None
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name, None)
+        name = f"{prefix}{field.name}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return name, value
+        if isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                if isinstance(item, float) and not math.isfinite(item):
+                    return f"{name}[{index}]", item
+        nested = non_finite_config_value(value, f"{name}.", depth + 1)
+        if nested is not None:
+            return nested
+    return None
+
+
+def non_finite_error(component: str, checkpoint_files, where: str, *, dtype: torch.dtype | None = None,
+                     config=None) -> H3Error:
+    """An output of `component` came out NaN/Inf at `where`: name the checkpoint tensor or config value responsible
+    when there is one, else give the advice that fits the dtype the component ran in."""
     from ..checkpoints.safetensors_io import first_non_finite
 
     culprit = first_non_finite(checkpoint_files)
@@ -188,5 +248,9 @@ def non_finite_error(component: str, checkpoint_files, where: str) -> H3Error:
         path, key = culprit
         return H3Error(f"{path}: tensor '{key}' contains NaN or Inf values, so {component} produced NaN/Inf at "
                        f"{where}. The file is corrupt; download it again.")
-    return H3Error(f"{component} produced NaN/Inf at {where} although its weights are finite: the numbers overflowed. "
-                   "Run in float32 or bfloat16 rather than float16, or check the inputs.")
+    value = non_finite_config_value(config)
+    if value is not None:
+        name, number = value
+        return H3Error(f"{component} produced NaN/Inf at {where}: its config sets {name} = {number}. Give it a finite "
+                       "value (the released config's) in the component's config.")
+    return H3Error(f"{component} produced NaN/Inf at {where} although its weights are finite: {overflow_advice(dtype)}")

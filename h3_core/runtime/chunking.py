@@ -9,6 +9,7 @@ everything device-specific about chunking is in one `ChunkingBackend` value, whi
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -87,17 +88,37 @@ def largest_buffer_elements_per_row(config: RowWidths, key_rows: int, backend: C
     return largest
 
 
+def backend_row_limit(rows: int, config: RowWidths, *, batch: int = 1, element_bytes: int,
+                      backend: ChunkingBackend) -> int | None:
+    """The most query/projection rows per chunk the backend allows for `rows` packed rows; None when it sets no
+    limit. These are hard limits (MPS: no Metal buffer over 4 GiB; at most 2048 query rows above 12,288 rows, where
+    larger query blocks silently corrupt the attention): every chunk size, explicit or derived, is clamped to them.
+    A limit of 64 rows or more is rounded down to a multiple of 64."""
+    limit = None
+    if backend.max_buffer_bytes is not None:
+        largest = largest_buffer_elements_per_row(config, rows, backend)
+        limit = max(1, backend.max_buffer_bytes // (batch * element_bytes * largest))
+    if backend.long_sequence_rows is not None and rows > backend.long_sequence_rows:
+        cap = backend.max_long_sequence_query_rows
+        limit = cap if limit is None else min(limit, cap)
+    if limit is None or limit >= rows:
+        return None
+    return limit // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE if limit >= CHUNK_ROW_MULTIPLE else limit
+
+
 def chunk_rows_for_budget(rows: int, config: RowWidths, *, batch: int = 1, element_bytes: int,
                           memory_budget: int | None, backend: ChunkingBackend) -> int | None:
     """Query/projection rows per chunk for a sequence of `rows` packed rows; None means one chunk (the fused path).
 
     `memory_budget` bounds the bytes of one chunk's temporaries (the full-length residual, K, V and output buffers are
-    not part of it); None sets no budget, so only the backend's hard limits can split the sequence. The result is
-    rounded down to a multiple of 64 rows and clamped to at least 64 rows (a budget too small for 64 rows is exceeded
-    rather than refused: smaller chunks would only add per-chunk overhead). The attention query pass may still take
-    more rows per call on a backend with `min_query_rows` (CPU: 768); it adds only q and output rows.
+    not part of it); None sets no budget, so only the backend's hard limits (`backend_row_limit`) can split the
+    sequence. The result is rounded down to a multiple of 64 rows and clamped to at least 64 rows (a budget too small
+    for 64 rows is exceeded rather than refused: smaller chunks would only add per-chunk overhead), but never above
+    the backend's hard limit. The attention query pass may still take more rows per call on a backend with
+    `min_query_rows` (CPU: 768); it adds only q and output rows.
     """
-    limit = rows
+    hard = backend_row_limit(rows, config, batch=batch, element_bytes=element_bytes, backend=backend)
+    limit = rows if hard is None else hard
     per_row_bytes = batch * element_bytes
     if memory_budget is not None:
         limit = min(limit, memory_budget // (per_row_bytes * projection_elements_per_row(config)))
@@ -105,14 +126,11 @@ def chunk_rows_for_budget(rows: int, config: RowWidths, *, batch: int = 1, eleme
             # Fused kernels keep the score workspace per query block; a materialised score matrix grows with the
             # key rows: query rows <= budget / (heads x key rows x element bytes).
             limit = min(limit, memory_budget // (per_row_bytes * config.num_attention_heads * rows))
-    if backend.max_buffer_bytes is not None:
-        largest = largest_buffer_elements_per_row(config, rows, backend)
-        limit = min(limit, backend.max_buffer_bytes // (per_row_bytes * largest))
-    if backend.long_sequence_rows is not None and rows > backend.long_sequence_rows:
-        limit = min(limit, backend.max_long_sequence_query_rows)
     if limit >= rows:
         return None
     size = max(CHUNK_ROW_MULTIPLE, limit // CHUNK_ROW_MULTIPLE * CHUNK_ROW_MULTIPLE)
+    if hard is not None:
+        size = min(size, hard)
     return None if size >= rows else size
 
 
@@ -189,13 +207,30 @@ class ChunkingPolicy:
     def plan(self, rows: int, config: RowWidths, *, batch: int, dtype: torch.dtype,
              device: torch.device | str) -> RowChunks:
         backend = self.backend or Platform.for_device(device).chunking
+        element_bytes = torch.empty((), dtype=dtype).element_size()
+        # The backend's limits guard against silent corruption (MPS): they bind every size, an explicit one too.
+        hard = backend_row_limit(rows, config, batch=batch, element_bytes=element_bytes, backend=backend)
         size = self.chunk_size
         if size is None:
-            element_bytes = torch.empty((), dtype=dtype).element_size()
             size = chunk_rows_for_budget(rows, config, batch=batch, element_bytes=element_bytes,
                                          memory_budget=self.memory_budget, backend=backend)
+        elif hard is not None and size > hard:
+            warn_chunk_size_clamped(size, hard, rows, backend)
+            size = hard
         query_size = None if size is None else max(size, backend.min_query_rows)
+        if hard is not None and query_size is not None:
+            query_size = min(query_size, hard)
         return RowChunks(size, self.between_chunks, query_size)
+
+
+def warn_chunk_size_clamped(asked: int, allowed: int, rows: int, backend: ChunkingBackend) -> None:
+    warnings.warn(f"chunk_size {asked} is above what {backend.name} allows for {rows} packed rows; using "
+                  f"{allowed} rows per chunk (larger query blocks or buffers corrupt the attention silently there).",
+                  ChunkSizeClamped, stacklevel=3)
+
+
+class ChunkSizeClamped(UserWarning):
+    """An explicit chunk size was lowered to the device's hard limit."""
 
 
 __all__ = [
@@ -203,9 +238,11 @@ __all__ = [
     "ChunkingBackend",
     "ChunkingError",
     "ChunkingPolicy",
+    "ChunkSizeClamped",
     "EveryNChunks",
     "FUSED",
     "RowChunks",
+    "backend_row_limit",
     "chunk_rows_for_budget",
     "no_reclaim",
 ]

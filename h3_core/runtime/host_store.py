@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -286,40 +287,92 @@ class HostPinner(Protocol):
 
     def register(self, buffer: torch.Tensor) -> bool: ...
 
-    def unregister(self, buffer: torch.Tensor) -> None: ...
+    def unregister(self, buffer: torch.Tensor) -> bool: ...
+
+
+class PinWarning(RuntimeWarning):
+    """Page-locking or unlocking host memory failed in a way the run survives (reported, never swallowed)."""
 
 
 class CudaHostPinner:
     """`cudaHostRegister` at the buffer's exact size; torch's pinned caching allocator would round up to a power of
-    two (1.67x measured for 1.2 GiB blocks)."""
+    two (1.67x measured for 1.2 GiB blocks).
+
+    A refused registration is normal (the budget or the locked-memory limit): the buffer stays pageable. But the
+    refusal leaves the CUDA runtime's last error set, which torch would report as the next kernel's failure, so it is
+    reset; where that is impossible a `PinWarning` says so and no further registration is tried."""
 
     PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 
+    def __init__(self):
+        self.registration_disabled = False
+
     def register(self, buffer: torch.Tensor) -> bool:
+        if self.registration_disabled:
+            return False
         cudart = torch.cuda.cudart()
         status = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel(), self.PORTABLE))
-        if status != 0:
-            _clear_cuda_last_error()
-            return False
-        return True
+        if status == 0:
+            return True
+        if not _clear_cuda_last_error():
+            self.registration_disabled = True
+            warnings.warn(f"cudaHostRegister refused to page-lock a {buffer.numel():,}-byte host buffer "
+                          f"({_cuda_error_text(cudart, status)}) and the CUDA runtime's last error could not be "
+                          "reset here (its library was not found among the loaded ones), so a later CUDA error may "
+                          "be reported with this cause. Host memory stays pageable for the rest of the run "
+                          "(slower copies).", PinWarning, stacklevel=2)
+        return False
 
-    def unregister(self, buffer: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    def unregister(self, buffer: torch.Tensor) -> bool:
+        """Unlock `buffer`; False (with a `PinWarning`) when the runtime refuses: its pages stay locked."""
+        cudart = torch.cuda.cudart()
+        status = int(cudart.cudaHostUnregister(buffer.data_ptr()))
+        if status == 0:
+            return True
+        _clear_cuda_last_error()
+        warnings.warn(f"cudaHostUnregister failed for a {buffer.numel():,}-byte host buffer "
+                      f"({_cuda_error_text(cudart, status)}); its pages stay page-locked until the process exits.",
+                      PinWarning, stacklevel=2)
+        return False
 
 
-def _clear_cuda_last_error() -> None:
-    """Reset the CUDA runtime's last error after a refused registration; torch checks it after every kernel launch
-    and would otherwise blame the next kernel. torch does not bind cudaGetLastError, so call it in the runtime
-    library this process already loaded (found in /proc/self/maps); best effort elsewhere."""
-    import ctypes
+def _cuda_error_text(cudart, status: int) -> str:
+    try:
+        return f"status {status}: {cudart.cudaGetErrorString(status)}"
+    except Exception:  # the binding has no cudaGetErrorString: the number alone
+        return f"status {status}"
 
+
+def _loaded_cudart_libraries() -> list[str]:
+    """Paths of the CUDA runtime libraries this process loaded (torch loads it before any registration).
+
+    Linux: /proc/self/maps. Elsewhere (Windows): the cudart64 DLLs next to torch's own libraries, which is where
+    the wheels put the one torch loads; loading an already loaded DLL by path returns that same module."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
+            return sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
     except OSError:
         pass
+    from pathlib import Path
+
+    lib = Path(torch.__file__).parent / "lib"
+    return sorted(str(p) for p in lib.glob("cudart64*.dll"))
+
+
+def _clear_cuda_last_error() -> bool:
+    """Reset the CUDA runtime's last error after a refused call; torch checks it after every kernel launch and would
+    otherwise blame the next kernel. torch does not bind cudaGetLastError, so it is called in the runtime library
+    this process loaded. False when no such library was found or none could be called."""
+    import ctypes
+
+    cleared = False
+    for path in _loaded_cudart_libraries():
+        try:
+            ctypes.CDLL(path).cudaGetLastError()
+            cleared = True
+        except (OSError, AttributeError):
+            continue
+    return cleared
 
 
 @dataclass
@@ -413,16 +466,23 @@ class PinnedSlab:
         return view_in(slab.data, entry)
 
     def close(self) -> None:
-        """Unpin every slab. Callers synchronise the device first: a pending DMA may still read a slab."""
+        """Unpin every slab. Callers synchronise the device first: a pending DMA may still read a slab. A slab the
+        runtime refuses to unlock (the pinner warns) stays counted in the budget: its pages are still locked."""
         for slab in self.slabs:
             if slab.pinned and self._pinner is not None:
-                self._pinner.unregister(slab.data)
-                self.budget.give_back(slab.nbytes)
                 slab.pinned = False
+                if self._pinner.unregister(slab.data) is not False:
+                    self.budget.give_back(slab.nbytes)
 
     def __del__(self):
         # A store dropped without close(): its memory is about to be freed, so at least leave no registration behind.
+        # A finaliser may not raise: a failure is reported as a warning (none at interpreter teardown, when even
+        # the warnings machinery may be gone).
         try:
             self.close()
-        except Exception:  # pragma: no cover - interpreter teardown
-            pass
+        except Exception as exc:
+            try:
+                warnings.warn(f"a pinned host store dropped without close() could not unpin its slabs: {exc!r}; "
+                              "their pages may stay page-locked until the process exits.", PinWarning)
+            except Exception:  # pragma: no cover - interpreter teardown
+                pass

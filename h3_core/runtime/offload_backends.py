@@ -156,9 +156,7 @@ class SynchronousBackend(OffloadBackend):
         self.unload(slot)
 
     def reclaim(self) -> None:
-        # Frees are deferred until queued work completes: synchronise first or empty_cache returns little.
-        self.platform.synchronize()
-        self.platform.empty_cache()
+        self.platform.reclaim()  # synchronise, then empty the cache
         self.reclaims += 1
 
     def materialise_persistent(self, unit: int) -> tuple[dict[str, torch.Tensor], int]:

@@ -25,6 +25,7 @@ import ctypes
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -233,19 +234,29 @@ _FACTS = {
 }
 
 
+SUPPORTED_DEVICE_TYPES = tuple(_FACTS)
+
+
 class PlatformError(H3Error):
     """A setting asks for something the platform cannot do (e.g. fp16 decode autocast off CUDA)."""
 
 
 @dataclass(frozen=True)
 class Platform:
-    """One device kind (`device_type`: "cuda", "mps" or "cpu"; other kinds behave as the CPU) and its index.
+    """One device kind (`device_type`: "cuda", "mps" or "cpu") and its index. Other kinds are refused
+    (`PlatformError`): their chunk caps, copy and reclaim rules are unknown, and the CPU's could be silently wrong.
 
     Two platforms are equal when their kinds are: the rules and caps are per kind.
     """
 
     device_type: str
     index: int | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.device_type not in _FACTS:
+            raise PlatformError(
+                f"device {self.device_type!r} is not supported: h3_core runs on {', '.join(SUPPORTED_DEVICE_TYPES)} "
+                f"(it has no chunk limits, copy or reclaim rules for {self.device_type!r}). Choose one of those.")
 
     @classmethod
     def for_device(cls, device: torch.device | str) -> "Platform":
@@ -266,7 +277,7 @@ class Platform:
 
     @property
     def _facts(self) -> _Facts:
-        return _FACTS.get(self.device_type, _FACTS["cpu"])
+        return _FACTS[self.device_type]
 
     @property
     def device(self) -> torch.device:
@@ -350,6 +361,22 @@ class Platform:
     def trim_host_heap(self) -> None:
         """Return the C heap's freed pages to the system where the device computes in it (the CPU, glibc)."""
         self._ops.trim_host_heap()
+
+    def reclaim(self) -> None:
+        """Give cached device memory back: synchronise, then empty the cache (MPS frees are deferred until the
+        queued command buffers complete, so emptying the cache first returns little)."""
+        self.reclaim_action()()
+
+    def reclaim_action(self, empty_cache: Callable[[], None] | None = None) -> Callable[[], None]:
+        """`reclaim` as a function of no arguments, with another `empty_cache` (a host application's own, e.g.
+        ComfyUI's soft_empty_cache) called after the synchronisation."""
+        empty = self.empty_cache if empty_cache is None else empty_cache
+
+        def reclaim() -> None:
+            self.synchronize()
+            empty()
+
+        return reclaim
 
     def allocated_bytes(self) -> int | None:
         """Bytes the device allocator holds for tensors now; None where there is no device allocator."""

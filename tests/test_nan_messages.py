@@ -1,0 +1,136 @@
+"""NaN/Inf messages name the stage and tensor actually at fault and give advice that fits the run's dtype.
+
+Before: NaN from the video VAE's encoder (the keyframe path), `video_shift=inf` and a NaN noise (epsilon) input all
+surfaced as "the transformer produced NaN/Inf ... Run in float32 or bfloat16 rather than float16", on float32 runs too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from h3_core.errors import H3Error
+from h3_core.pipeline import H3Pipeline, resolve_model
+
+REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
+
+
+def edited_copy(tiny, tmp_path, component_glob, key, value):
+    """A copy of the tiny model with every element of one tensor set to `value`."""
+    root = tmp_path / "edited"
+    shutil.copytree(tiny, root)
+    path = next(root.glob(component_glob))
+    state = load_file(path)
+    state[key] = torch.full_like(state[key], value)
+    save_file(state, path)
+    return root, path
+
+
+def test_a_nan_keyframe_latent_names_the_video_vae_encoder_not_the_transformer(tiny, tmp_path):
+    root, path = edited_copy(tiny, tmp_path, "vae/minimax_h3_video_vae*.safetensors", "encoder.conv_in.weight",
+                             float("nan"))
+    pipe = H3Pipeline(resolve_model(root))
+    with pytest.raises(H3Error) as error:
+        pipe.generate("a fox", first_frame=Image.new("RGB", (64, 64), "red"), **REQUEST)
+    assert str(error.value) == (f"{path}: tensor 'encoder.conv_in.weight' contains NaN or Inf values, so the video "
+                                "VAE's encoder produced NaN/Inf at keyframe encode (the first keyframe's latent). The "
+                                "file is corrupt; download it again.")
+    assert pipe.loaded == ("video_vae",)  # found before the transformer ran (or was even loaded)
+
+
+@pytest.mark.parametrize("name,value", [("video_shift", float("inf")), ("audio_shift", float("nan"))])
+def test_a_non_finite_shift_names_the_shift(tiny, name, value):
+    pipe = H3Pipeline(resolve_model(tiny))
+    with pytest.raises(H3Error) as error:
+        pipe.generate("a fox", **REQUEST, **{name: value})
+    default = {"video_shift": 12, "audio_shift": 3}[name]
+    assert str(error.value) == f"{name} must be a finite positive number ({default} for the released model), got {value}."
+
+
+def test_a_nan_noise_input_names_the_sampler_input(tiny):
+    import h3_core
+    from h3_core.pipeline.layout import build_packed_layout
+    from h3_core.pipeline.sampler import Schedule, denoise
+
+    dit = h3_core.load_dit(resolve_model(tiny).transformer)
+    c = dit.config
+    tags = torch.ones(4, dtype=torch.long)
+    layout = build_packed_layout(tags, 2, 2, 2, 3, (), c.patch_size)
+    video = torch.randn(layout.video_indices.numel(), c.video_patch_dim)
+    video[1, 1] = float("nan")  # one NaN element of the initial noise (epsilon)
+    audio = torch.randn(layout.audio_indices.numel(), c.audio_in_channels)
+    with pytest.raises(H3Error) as error:
+        denoise(dit, torch.randn(4, c.text_dim), layout, Schedule.build(3), video, audio)
+    assert str(error.value) == ("the initial video rows given to the sampler (noise and keyframe latents) contain NaN "
+                                "or Inf values: the sampler input is not finite, so sampling cannot start. Encode the "
+                                "prompt (and keyframes) again.")
+
+
+OVERFLOW = 3e38  # finite in float32 and bfloat16; any product with it overflows
+
+
+@pytest.mark.parametrize("dtype,advice", [
+    (None, "the run is already float32, so this is not a precision problem: check the inputs of this stage and the "
+           "component's config values (eps, scales), or report it with the request that caused it."),
+    (torch.bfloat16, "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."),
+])
+def test_transformer_overflow_advice_fits_the_run_dtype(tiny, tmp_path, dtype, advice):
+    root, _ = edited_copy(tiny, tmp_path, "diffusion_models/*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
+    pipe = H3Pipeline(resolve_model(root), dtype=dtype)
+    with pytest.raises(H3Error) as error:
+        pipe.generate("a fox", **REQUEST)
+    assert str(error.value) == ("the transformer produced NaN/Inf at step 1 of 2 (its video velocity output) although "
+                                f"its weights are finite: {advice}")
+
+
+def test_a_non_finite_config_value_is_named():
+    from h3_core.models.dit_config import H3DiTConfig
+    from h3_core.pipeline.sampler import non_finite_error
+
+    config = dataclasses.replace(H3DiTConfig(), norm_eps=float("nan"))
+    assert str(non_finite_error("the transformer", (), "step 2 of 5 (its audio velocity output)", config=config)) == (
+        "the transformer produced NaN/Inf at step 2 of 5 (its audio velocity output): its config sets norm_eps = nan. "
+        "Give it a finite value (the released config's) in the component's config.")
+    assert "float16" in str(non_finite_error("the transformer", (), "step 1", dtype=torch.float16))
+
+
+@pytest.mark.parametrize("kind", ["video", "audio"])
+def test_decoding_non_finite_latents_names_the_latents(tiny, kind):
+    from h3_core.pipeline.layout import LatentShape
+    from h3_core.pipeline.pipeline import Latents
+
+    shape = LatentShape.for_request(64, 64, 5)
+    latents = Latents(torch.zeros(shape.video), torch.zeros(1, 32, 2, shape.audio_latents), shape)
+    getattr(latents, kind)[0, 0, 0, 0] = float("inf")
+    pipe = H3Pipeline(resolve_model(tiny))
+    with pytest.raises(H3Error) as error:
+        getattr(pipe, f"decode_{kind}")(latents)
+    assert str(error.value).startswith(f"the {kind} latents given to decode contain NaN or Inf values")
+    assert pipe.loaded == ()  # refused before the VAE was loaded
+
+
+@pytest.mark.parametrize("node,kind", [("H3StreamDecodeVideo", "video"), ("H3StreamDecodeAudio", "audio")])
+def test_the_decode_nodes_refuse_non_finite_latents(tmp_path, node, kind):
+    """The decode nodes go through the pipeline's decode_video / decode_audio, so its checks are theirs."""
+    import comfy_double
+
+    comfy_double.install(tmp_path / "comfyui")
+    pack = comfy_double.load_pack()
+    from comfy_double.executor import run_node
+    from h3_core.pipeline.layout import LatentShape
+    from h3_core.pipeline.pipeline import Latents
+
+    loader = dict(source="tiny test model (embedded)", partition="FL2VA", transformer_residency="RESIDENT",
+                  text_encoder_residency="RESIDENT", video_vae_residency="RESIDENT", audio_vae_residency="RESIDENT",
+                  prefetch=-1, resident_blocks=0, chunk_size=0, memory_budget_mib=0, dtype="auto", device="cpu")
+    handle, = run_node(pack["H3StreamLoader"], "1", **loader)
+    shape = LatentShape.for_request(64, 64, 5)
+    latents = Latents(torch.zeros(shape.video), torch.zeros(1, 32, 2, shape.audio_latents), shape)
+    getattr(latents, kind)[0, 0, 0, 0] = float("nan")
+    with pytest.raises(H3Error, match=f"^the {kind} latents given to decode contain NaN or Inf values"):
+        run_node(pack[node], "4", h3_model=handle, h3_latent=latents)
