@@ -345,3 +345,20 @@ def test_sampler_shift_error_at_run_time_names_the_widget(pack):
     with pytest.raises(H3Error, match=r"^audio_shift 0.0: must be a finite number above 0"):
         run_node(pack["H3StreamSampler"], "3", h3_model=None, h3_cond=None, width=96, height=64, seconds=1.0,
                  frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=0.0, chunk_size=0)
+
+
+def test_device_problems_on_a_machine_with_two_gpus(monkeypatch):
+    """The index and driver cases, with torch's CUDA queries answering as a two-GPU machine would."""
+    from h3_core.runtime.platform import device_problem
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert device_problem("cuda") is None and device_problem("cuda:1") is None
+    assert device_problem("cuda:7") == "there is no GPU 7: this machine has 2 (cuda:0 to cuda:1)"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_problem("cuda") == ("PyTorch has CUDA support but finds no usable GPU (driver, "
+                                      "CUDA_VISIBLE_DEVICES?)")
+    assert device_problem("cpu") is None and device_problem("cpu:1") == ("the CPU is one device (cpu or cpu:0), "
+                                                                         "not cpu:1")
+    assert device_problem("meta") == "h3-stream runs on cpu, cuda, cuda:N or mps, not on 'meta' devices"
