@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-MAX_CANVAS = 4096
-MAX_FRAMES = 17 * 64 + 5
+# The same limits as the CLI's (--size, --seconds, --frames): one definition in h3_core.
+from h3_core.pipeline.request_checks import MAX_CANVAS, MAX_FRAMES, MAX_SECONDS
+
+# The smallest sigma shift a widget takes: the schedule needs a shift above 0.
+MIN_SHIFT = 0.1
 # Rows per chunk: chunks exist to bound a pass's temporaries, and 64k rows is more than a 15 s 768p sequence (~50k).
 MAX_CHUNK_SIZE = 1 << 16
 CANVAS_TOOLTIP = ("Canvas {what} in pixels (multiple of 32). Keyframes are fitted to it before the vision encoder "
@@ -23,7 +26,7 @@ def canvas_inputs() -> list:
 def sampler_inputs() -> list:
     """The sampler's widgets after the canvas."""
     return [
-        io.Float.Input("seconds", default=5.0, min=0.0, max=round(MAX_FRAMES / 24, 2), step=0.1,
+        io.Float.Input("seconds", default=5.0, min=0.0, max=MAX_SECONDS, step=0.1,
                        tooltip="Duration; the frame count is round(seconds x 24) snapped up to the 17n + 5 "
                                "grid (5 s -> 124 frames)."),
         io.Int.Input("frames", default=0, min=0, max=MAX_FRAMES, step=1,
@@ -34,9 +37,9 @@ def sampler_inputs() -> list:
         io.Int.Input("seed", default=0, min=0, max=0xFFFFFFFFFFFFFFFF, control_after_generate=True,
                      tooltip="Initial noise (diffusers' recipe: the same seed gives other noise in core "
                              "ComfyUI or sglang)."),
-        io.Float.Input("video_shift", default=12.0, min=0.0, max=100.0, step=0.1,
+        io.Float.Input("video_shift", default=12.0, min=MIN_SHIFT, max=100.0, step=0.1,
                        tooltip="Sigma shift of the video schedule (12 for the released model)."),
-        io.Float.Input("audio_shift", default=3.0, min=0.0, max=100.0, step=0.1,
+        io.Float.Input("audio_shift", default=3.0, min=MIN_SHIFT, max=100.0, step=0.1,
                        tooltip="Sigma shift of the audio schedule (3 for the released model)."),
         io.Int.Input("chunk_size", default=0, min=0, max=MAX_CHUNK_SIZE,
                      tooltip="Packed rows per chunk for this run only. 0: the loader's setting."),
@@ -68,6 +71,22 @@ def frame_count_error(seconds, frames) -> str | None:
         if not is_aligned_num_frames(frames):
             return (f"frames must be on the 17n + 5 grid (5, 22, 39, ...), got {frames}; use "
                     f"{align_num_frames(frames)} or set frames to 0 and give seconds.")
-    if seconds is not None and frames == 0 and not 0 < seconds <= MAX_FRAMES / 24:
-        return f"seconds must be above 0 and at most {MAX_FRAMES / 24:.1f}, got {seconds}."
+    if seconds is not None and frames == 0 and not 0 < seconds <= MAX_SECONDS:
+        return f"seconds must be above 0 and at most {MAX_SECONDS:g}, got {seconds}."
+    return None
+
+
+def shift_error(**shifts) -> str | None:
+    """`video_shift` / `audio_shift` in the widgets' names, when the node runs (ComfyUI refuses a value below the
+    widget minimum at validation; a linked value arrives unchecked)."""
+    from h3_core.errors import H3Error
+    from h3_core.pipeline.request_checks import check_shift
+
+    for name, value in shifts.items():
+        if value is None:
+            continue  # linked: checked when the node runs
+        try:
+            check_shift(value, name)
+        except H3Error as error:
+            return str(error)
     return None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .request_inputs import canvas_error, canvas_inputs, frame_count_error, sampler_inputs
+from .request_inputs import canvas_error, canvas_inputs, frame_count_error, sampler_inputs, shift_error
 from .sockets import H3Cond, H3Latent, H3Model
 from .telemetry import memory_report
 
@@ -31,6 +31,7 @@ class H3StreamSampler(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, width, height, seconds, frames) -> bool | str:
+        # The shifts are not taken here, so that ComfyUI keeps checking their widget minimum (MIN_SHIFT) itself.
         return canvas_error(width, height) or frame_count_error(seconds, frames) or True
 
     @classmethod
@@ -41,7 +42,8 @@ class H3StreamSampler(io.ComfyNode):
         from h3_core.runtime.chunking import EveryNChunks
         from h3_core.runtime.platform import Platform
 
-        error = canvas_error(width, height) or frame_count_error(seconds, frames)
+        error = (canvas_error(width, height) or frame_count_error(seconds, frames)
+                 or shift_error(video_shift=video_shift, audio_shift=audio_shift))
         if error:
             raise H3Error(error)
         if h3_cond.has_keyframes and (h3_cond.width, h3_cond.height) != (width, height):

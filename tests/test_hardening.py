@@ -125,7 +125,7 @@ def test_audio_encode_rejects_wrong_layout(tiny):
     (dict(width=100), "width must be a positive multiple of 32"),
     (dict(height=0), "height must be a positive multiple of 32"),
     (dict(num_frames=40), r"17n \+ 5 .* nearest valid count above it is 56"),
-    (dict(steps=1), "steps must be at least 2"),
+    (dict(steps=1), "steps 1: must be at least 2"),
 ])
 def test_bad_request_sizes(tiny, kwargs, message):
     pipe = H3Pipeline(resolve_model(tiny))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -12,11 +13,12 @@ import torch
 
 from ..components import COMPONENTS
 from ..errors import H3Error
-from ..runtime.platform import Platform, peak_rss_bytes
+from ..runtime.platform import Platform, device_problem, peak_rss_bytes
 from .layout import FPS, align_num_frames, frames_for_seconds
+from .request_checks import (MAX_CANVAS, MAX_FRAMES, MAX_SECONDS, check_image_file, check_memory_budget_gib,
+                             check_prompt, check_seed, check_shift, check_steps, output_problem)
 from .sampler import AUDIO_SHIFT, VIDEO_SHIFT
 
-MAX_SECONDS = 15.0
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Without --model the embedded tiny random model runs; these keep that check of an install under a minute on a CPU.
 TINY_DEFAULTS = {"size": "96x64", "seconds": 1.0, "steps": 3}
@@ -25,6 +27,18 @@ MODEL_DEFAULTS = {"size": "1344x768", "seconds": 124 / FPS, "steps": 50}
 
 class CliError(H3Error):
     pass
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that every `finally` (model release, staging removal) runs."""
+
+
+def _flagged(flag: str, check, value, *args):
+    """Run an h3_core check with the flag's name in its message."""
+    try:
+        return check(value, *args, flag)
+    except H3Error as exc:
+        raise CliError(str(exc)) from None
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -36,6 +50,9 @@ def parse_size(text: str) -> tuple[int, int]:
         if value < 32 or value % 32:
             near = max(32, round(value / 32) * 32)
             raise CliError(f"--size {text}: {name} {value} is not a positive multiple of 32; try {near}.")
+        if value > MAX_CANVAS:
+            raise CliError(f"--size {text}: {name} {value} is past the {MAX_CANVAS}-pixel limit (H3 was trained at "
+                           "1344x768).")
     return width, height
 
 
@@ -105,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: layerwise on Apple MPS, resident elsewhere)")
     g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP of the transformer and text encoder "
                         "(default: fused)")
-    g.add_argument("--memory-budget", type=float, help="GB the run may use; chooses residency and chunk size and "
+    g.add_argument("--memory-budget", type=float, help="GiB the run may use; chooses residency and chunk size and "
                         "prints what each phase holds (refused, naming the phase, when one does not fit)")
     g.add_argument("--keep", action="append", default=[], choices=COMPONENTS, metavar="COMPONENT",
                    help="keep this component loaded through every phase (repeat for several; one of "
@@ -119,13 +136,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "LoRA recommends are used unless given")
     g.add_argument("--video-shift", type=float, help="sigma shift of the video schedule (default 12)")
     g.add_argument("--audio-shift", type=float, help="sigma shift of the audio schedule (default 3)")
-    g.add_argument("--out", type=Path, default=Path("out.mp4"))
+    g.add_argument("--out", default="out.mp4",
+                   help="the .mp4 to write (H.264 + AAC; without PyAV: STEM_frames/ PNGs and STEM.wav beside it). "
+                        "Written under a temporary name and renamed when complete: an existing file is replaced "
+                        "only by a finished video")
+    g.add_argument("--yes-large", action="store_true",
+                   help="run a request past the large-request thresholds (canvas over 1920x1088 pixels, more than "
+                        "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
+                        "with its memory and time estimate")
     return parser
 
 
 class ProgressBar:
-    def __init__(self, label: str, stream=sys.stderr):
-        self.label, self.stream, self.started = label, stream, time.perf_counter()
+    def __init__(self, label: str, stream=None):
+        self.label, self.stream, self.started = label, stream or sys.stderr, time.perf_counter()
+        self.line_open = False  # the bar's line is not finished yet: anything printed next needs a newline first
 
     def __call__(self, done: int, total: int) -> None:
         if done == 0:  # sampling starts: time from here, not from the model loading before it
@@ -136,9 +161,17 @@ class ProgressBar:
         eta = elapsed / done * (total - done) if done else 0.0
         self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
                           f"{elapsed:.1f}s elapsed, ~{eta:.1f}s left")
-        if done >= total:
+        self.line_open = done < total
+        if not self.line_open:
             self.stream.write("\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        """End the bar's line (an error or an interrupt message then starts on a line of its own)."""
+        if self.line_open:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.line_open = False
 
 
 class DownloadBar:
@@ -175,38 +208,101 @@ def resolve_frames(args, defaults, say) -> int:
         if args.frames < 1:
             raise CliError(f"--frames {args.frames}: must be at least 1.")
         frames = align_num_frames(args.frames)
+        if frames > MAX_FRAMES:
+            raise CliError(f"--frames {args.frames}: {frames} frames on the grid is {frames / FPS:.1f} s; H3 "
+                           f"generates at most {MAX_SECONDS:g} s ({MAX_FRAMES} frames).")
         if frames != args.frames:
             say(f"note: {args.frames} frames is off the 17n+5 grid the video VAE needs; rounding up to {frames}.")
-    else:
-        seconds = defaults["seconds"] if args.seconds is None else args.seconds
-        if not 0 < seconds <= MAX_SECONDS:
-            raise CliError(f"--seconds {seconds:g}: must be more than 0 and at most {MAX_SECONDS:g} (H3 generates up "
-                           "to 15 s).")
-        frames = frames_for_seconds(seconds)
-    if frames / FPS > MAX_SECONDS + 0.5:
-        raise CliError(f"{frames} frames is {frames / FPS:.1f} s; H3 generates at most {MAX_SECONDS:g} s.")
-    return frames
+        return frames
+    seconds = defaults["seconds"] if args.seconds is None else args.seconds
+    if not 0 < seconds <= MAX_SECONDS:
+        raise CliError(f"--seconds {seconds:g}: must be more than 0 and at most {MAX_SECONDS:g} (H3 generates up "
+                       "to 15 s).")
+    return frames_for_seconds(seconds)
 
 
-def generate(args, say=print) -> list[Path]:
-    from .media import have_pyav, save_generation
-    from .pipeline import H3Pipeline
-    from .sources import resolve_model
-
+def check_arguments(args, say) -> dict:
+    """Every check that needs no model, in the flags' words, before anything is resolved or loaded."""
     tiny = args.model is None
     defaults = TINY_DEFAULTS if tiny else MODEL_DEFAULTS
+    problem = device_problem(args.device)
+    if problem:
+        raise CliError(f"--device {args.device}: {problem}.")
+    problem = output_problem(args.out)
+    if problem:
+        raise CliError(f"--out {args.out!r}: {problem}.")
     width, height = parse_size(args.size or defaults["size"])
+    num_frames = resolve_frames(args, defaults, say)
+    _flagged("--seed", check_seed, args.seed)
+    try:
+        check_prompt(args.prompt, "the prompt")
+    except H3Error as exc:
+        raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
+                                        "and give the prompt as UTF-8 text")) from None
+    if args.memory_budget is not None:
+        _flagged("--memory-budget", check_memory_budget_gib, args.memory_budget)
+    for flag, path in (("--first-frame", args.first_frame), ("--last-frame", args.last_frame)):
+        if path is not None:
+            _flagged(flag, check_image_file, path)
     loras = [parse_lora(text) for text in args.lora]
     recommended = lora_recommendations(loras, args, say)
     steps = recommended.get("steps", defaults["steps"]) if args.steps is None else args.steps
     video_shift = recommended.get("video_shift", VIDEO_SHIFT) if args.video_shift is None else args.video_shift
     audio_shift = recommended.get("audio_shift", AUDIO_SHIFT) if args.audio_shift is None else args.audio_shift
-    if steps < 2:
-        raise CliError(f"--steps {steps}: must be at least 2 (grid points including the final 0).")
-    num_frames = resolve_frames(args, defaults, say)
-    for flag, path in (("--first-frame", args.first_frame), ("--last-frame", args.last_frame)):
-        if path is not None and not path.is_file():
-            raise CliError(f"{flag} {path}: no such image file.")
+    for flag, key, value in (("--steps", "steps", steps), ("--video-shift", "video_shift", video_shift),
+                             ("--audio-shift", "audio_shift", audio_shift)):
+        name = flag if key not in recommended else f"the LoRA's recommended {key.replace('_', ' ')}"
+        _flagged(name, check_steps if key == "steps" else check_shift, value)
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise CliError(f"--chunk-size {args.chunk_size}: must be at least 1 (rows per chunk).")
+    return dict(width=width, height=height, num_frames=num_frames, steps=steps, video_shift=video_shift,
+                audio_shift=audio_shift, loras=loras, out=Path(args.out).expanduser())
+
+
+def check_large_request(args, sources, request, residency) -> None:
+    """Refuse a request past the large-request thresholds unless --yes-large, stating its estimates."""
+    from ..runtime.file_reads import total_memory_bytes
+    from .request_checks import describe_estimate, estimate_request, large_request_reasons
+
+    estimate = estimate_request(sources, device=args.device, width=request["width"], height=request["height"],
+                                num_frames=request["num_frames"], steps=request["steps"], dtype=DTYPES[args.dtype],
+                                chunk_size=args.chunk_size, loras=request["loras"], keep=args.keep,
+                                keyframes=args.first_frame is not None or args.last_frame is not None,
+                                residency=residency)
+    memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
+    reasons = large_request_reasons(request["width"], request["height"], request["steps"], estimate, memory,
+                                    size_name="--size", steps_name="--steps")
+    if reasons and not args.yes_large:
+        raise CliError(f"this is a large request: {'; '.join(reasons)}. {describe_estimate(estimate)}. Pass "
+                       "--yes-large to run it anyway, or use a smaller --size, fewer --steps or fewer --seconds.")
+    if reasons:
+        print(f"large request ({'; '.join(reasons)}), run because of --yes-large: {describe_estimate(estimate)}.",
+              file=sys.stderr)
+
+
+def _identity(path: Path):
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
+def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
+    """Run `python -m h3_core generate`. `outputs` (filled in here) holds the --out path and its identity before the
+    run, so that an interrupt can say truthfully whether anything was written."""
+    from .media import have_pyav, save_generation
+    from .pipeline import H3Pipeline
+    from .sources import resolve_model
+
+    request = check_arguments(args, say)
+    out = request["out"]
+    before = _identity(out)
+    if outputs is not None:
+        outputs.update(path=out, before=before)
+    tiny = args.model is None
+    width, height, num_frames, steps, loras = (request[k] for k in ("width", "height", "num_frames", "steps",
+                                                                    "loras"))
     if tiny:
         from .tiny_default import ensure_tiny_model
 
@@ -217,26 +313,32 @@ def generate(args, say=print) -> list[Path]:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
     from .planning import plan_components
 
+    residency = None if args.residency == "auto" else args.residency
+    check_large_request(args, sources, request, residency)
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
                               memory_budget_gb=args.memory_budget, width=width, height=height,
-                              num_frames=num_frames, loras=loras, keep=args.keep,
+                              num_frames=num_frames, loras=loras, keep=args.keep, steps=steps,
+                              dtype=DTYPES[args.dtype],
                               keyframes=args.first_frame is not None or args.last_frame is not None, log=say)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
         f"seed {args.seed}" + "".join(f", LoRA {path.name} x{strength:g}" for path, strength in loras))
+    bar = ProgressBar("sampling")
     try:
         result = pipeline.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
                                    seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
-                                   video_shift=video_shift, audio_shift=audio_shift,
-                                   progress=ProgressBar("sampling"))
+                                   video_shift=request["video_shift"], audio_shift=request["audio_shift"],
+                                   progress=bar)
     finally:
+        bar.close()
         pipeline.release_all()
-    written = save_generation(args.out, result.frames, result.waveform, result.fps, result.sample_rate)
-    if args.out.suffix.lower() == ".mp4" and not have_pyav():
+    written = save_generation(out, result.frames, result.waveform, result.fps, result.sample_rate)
+    if not have_pyav():
         say("PyAV is not installed (pip install 'h3-stream[video]'), so frames and audio were written separately")
     for path in written:
-        say(f"wrote {path}")
+        replaced = before is not None and path == out
+        say(f"wrote {path}" + (" (replaced the file that was there)" if replaced else ""))
     say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
     report = memory_report(torch.device(args.device))
     if report:
@@ -244,15 +346,39 @@ def generate(args, say=print) -> list[Path]:
     return written
 
 
+def _what_was_written(outputs: dict) -> str:
+    path = outputs.get("path")
+    if path is not None and _identity(path) not in (None, outputs.get("before")):
+        return f"{path} was written before it stopped"
+    if path is not None and outputs.get("before") is not None:
+        return f"nothing was written; {path} is unchanged"
+    return "nothing was written"
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    outputs: dict = {}
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave SIGTERM to whoever runs us
+        previous = None
     try:
         if args.command == "generate":
-            generate(args)
+            generate(args, outputs=outputs)
         return 0
     except H3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\ninterrupted; nothing was written", file=sys.stderr)
+        print(f"interrupted; {_what_was_written(outputs)}", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"terminated; {_what_was_written(outputs)}", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

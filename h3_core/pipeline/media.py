@@ -1,9 +1,18 @@
 """Writing a generation to disk: an mp4 (H.264 + AAC 32 kHz stereo) through PyAV when it is installed, otherwise
-PNG frames plus a WAV file (soundfile)."""
+PNG frames plus a WAV file (soundfile).
+
+Every output is written under a hidden staging name in its own folder (`.NAME.PID.partial`) and renamed into place
+(`os.replace`) once complete: an interrupted or failed write leaves no partial file and never touches a file already
+at the path; a complete one replaces it in one step. Staging leftovers of killed processes are removed by the next
+write to the same path.
+"""
 
 from __future__ import annotations
 
+import errno
 import math
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -39,15 +48,95 @@ def _trimmed_audio(waveform: torch.Tensor, num_frames: int, fps: int, sample_rat
     return waveform[:, :n].detach().float().clamp(-1, 1).cpu().numpy()
 
 
+def process_alive(pid: int) -> bool:
+    """A process with this id runs on this machine (a staging leftover whose owner is gone may be removed)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _staging(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.partial")
+
+
+def _remove_dead_staging(path: Path) -> None:
+    """`.NAME.PID.partial` leftovers of processes that were killed while writing `path`."""
+    prefix = f".{path.name}."
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(prefix):-len(".partial")] if entry.name.startswith(prefix) else ""
+        if entry.name.endswith(".partial") and pid.isdigit() and not process_alive(int(pid)):
+            _remove(entry)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _write_error(path: Path, exc: BaseException) -> H3Error:
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if getattr(exc, "errno", None) == errno.EFBIG:
+        reason += ", past the process's file-size limit (ulimit -f)"
+    kept = "; the file already there is unchanged" if path.exists() else ""
+    return H3Error(f"{path}: could not write the output: {reason}. Nothing was written{kept}.")
+
+
+def _write_staged(path: Path, write) -> Path:
+    """Run `write(staging_path)`, then rename the staging file or folder to `path`; on any failure or interrupt the
+    staging copy is removed and `path` is untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_dead_staging(path)
+    staging = _staging(path)
+    try:
+        write(staging)
+        if staging.is_dir() and path.is_dir():  # a folder cannot replace a folder in one rename: move the old aside
+            old = path.with_name(f".{path.name}.{os.getpid()}.old.partial")
+            os.replace(path, old)
+            os.replace(staging, path)
+            _remove(old)
+        else:
+            os.replace(staging, path)
+    except BaseException as exc:
+        _remove(staging)
+        if isinstance(exc, OSError) or _is_av_error(exc):
+            raise _write_error(path, exc) from None
+        raise
+    return path
+
+
+def _is_av_error(exc: BaseException) -> bool:
+    try:
+        import av
+    except ImportError:
+        return False
+    return isinstance(exc, getattr(av, "FFmpegError", ()))
+
+
 def write_mp4(path: Path, frames: torch.Tensor, waveform: torch.Tensor, fps: int = FPS,
               sample_rate: int = AUDIO_SAMPLE_RATE) -> Path:
-    import av
-
     pixels = _frames_uint8(frames)
     audio = np.ascontiguousarray(_trimmed_audio(waveform, len(pixels), fps, sample_rate))
+    return _write_staged(Path(path), lambda staging: _encode_mp4(staging, pixels, audio, fps, sample_rate))
+
+
+def _encode_mp4(path: Path, pixels: np.ndarray, audio: np.ndarray, fps: int, sample_rate: int) -> None:
+    import av
+
     codec = "libx264" if "libx264" in av.codecs_available else "h264"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with av.open(str(path), "w") as container:
+    with av.open(str(path), "w", format="mp4") as container:
         video = container.add_stream(codec, rate=fps)
         video.height, video.width = pixels.shape[1], pixels.shape[2]
         video.pix_fmt = "yuv420p"
@@ -64,30 +153,36 @@ def write_mp4(path: Path, frames: torch.Tensor, waveform: torch.Tensor, fps: int
             container.mux(packet)
         for packet in sound.encode():
             container.mux(packet)
-    return path
 
 
 def write_frames_and_wav(path: Path, frames: torch.Tensor, waveform: torch.Tensor, fps: int = FPS,
                          sample_rate: int = AUDIO_SAMPLE_RATE) -> list[Path]:
-    """`out.mp4` -> `out_frames/frame_00000.png ...` and `out.wav`."""
+    """`out.mp4` -> `out_frames/frame_00000.png ...` and `out.wav` (each staged and renamed into place)."""
     import soundfile
     from PIL import Image
 
+    path = Path(path)
     pixels = _frames_uint8(frames)
     audio = _trimmed_audio(waveform, len(pixels), fps, sample_rate)
-    folder = path.with_name(path.stem + "_frames")
-    folder.mkdir(parents=True, exist_ok=True)
-    for i, image in enumerate(pixels):
-        Image.fromarray(image).save(folder / f"frame_{i:05d}.png")
-    wav = path.with_suffix(".wav")
-    soundfile.write(str(wav), audio.T, sample_rate, subtype="FLOAT")
+
+    def write_frames(folder: Path) -> None:
+        folder.mkdir()
+        for i, image in enumerate(pixels):
+            Image.fromarray(image).save(folder / f"frame_{i:05d}.png", format="PNG")
+
+    wav = _write_staged(path.with_suffix(".wav"), lambda staging: soundfile.write(
+        str(staging), audio.T, sample_rate, subtype="FLOAT", format="WAV"))
+    folder = _write_staged(path.with_name(path.stem + "_frames"), write_frames)
     return [folder, wav]
 
 
 def save_generation(path, frames: torch.Tensor, waveform: torch.Tensor, fps: int = FPS,
                     sample_rate: int = AUDIO_SAMPLE_RATE, *, prefer_mp4: bool = True) -> list[Path]:
-    """Write the result; returns the paths written. Falls back to PNG + WAV without PyAV."""
-    path = Path(path)
-    if prefer_mp4 and path.suffix.lower() == ".mp4" and have_pyav():
+    """Write the result to `path` (an .mp4 name); returns the paths written. Writes `<stem>_frames/` PNGs and
+    `<stem>.wav` instead without PyAV or with `prefer_mp4=False`. Another suffix is refused (`OUTPUT_SUFFIXES`)."""
+    from .request_checks import check_output_path
+
+    path = check_output_path(path, "path")
+    if prefer_mp4 and have_pyav():
         return [write_mp4(path, frames, waveform, fps, sample_rate)]
     return write_frames_and_wav(path, frames, waveform, fps, sample_rate)

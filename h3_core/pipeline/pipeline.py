@@ -32,6 +32,7 @@ from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, p
                      rows_to_audio, unpatchify)
 from .media import audio_samples_for_frames
 from .planning import PHASES
+from .request_checks import check_canvas_limit, check_prompt, check_seed, check_shift, check_steps
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)
 from .sources import ModelSources, safetensors_files
@@ -237,8 +238,7 @@ class H3Pipeline:
     @serialised
     def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
                       last_frame=None) -> Conditioning:
-        if not isinstance(prompt, str):
-            raise H3Error(f"prompt must be a string, got {type(prompt).__name__}.")
+        check_prompt(prompt)
         anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
         keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
         self.enter_phase("text encode")
@@ -267,6 +267,8 @@ class H3Pipeline:
 
         `loras` ((file, strength), ...) becomes the transformer's LoRA set before sampling (`set_loras`, no reload;
         `()` is the base model) and stays until another call changes it; None keeps the set the model has."""
+        steps, seed = check_steps(steps), check_seed(seed)
+        video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
         schedule = Schedule.build(steps, video_shift, audio_shift)
         condition_latents = self.encode_keyframes(cond)
         self.enter_phase("sampling")
@@ -354,7 +356,15 @@ class H3Pipeline:
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
                  audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,
                  loras=None) -> GenerationResult:
+        """Text encode, sample and decode one request. Every argument is checked before any component loads (the
+        large-request preflight of the CLI, `request_checks.estimate_request`, is left to the caller)."""
+        check_canvas_limit(width, height)
         shape = LatentShape.for_request(width, height, num_frames)
+        check_prompt(prompt)
+        check_steps(steps)
+        check_seed(seed)
+        check_shift(video_shift, "video_shift")
+        check_shift(audio_shift, "audio_shift")
         timings = {}
         started = time.perf_counter()
         cond = self.encode_prompt(prompt, width=width, height=height, first_frame=first_frame,

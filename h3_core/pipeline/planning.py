@@ -10,6 +10,7 @@ and activations, plus the weights, stores and rings of every kept component.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -246,30 +247,35 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
                     loras=(), keep=(), keyframes: bool = False, steps: int = DEFAULT_STEPS,
-                    log: Callable[[str], None] | None = None) -> dict:
-    """Loader options per component from the user's settings; with a memory budget, the preflight decides (its
-    per-phase breakdown goes to `log`), counting the components in `keep` in every phase.
+                    dtype: torch.dtype | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Loader options per component from the user's settings; with a memory budget (GiB), the preflight decides
+    (its per-phase breakdown goes to `log`), counting the components in `keep` in every phase, at the run's `dtype`
+    and `steps`, with its `residency` unless "auto".
 
     `residency` applies to all four components: "resident", "layerwise", or "auto" (layerwise on Apple MPS, where the
-    admission rules require it for every component; resident elsewhere). `loras` ((file, strength), ...) go to the
-    transformer's loader either way.
+    admission rules require it for every component; resident elsewhere). `chunk_size` (rows per chunk of attention
+    queries and MLP) goes to the transformer and the text encoder, and `loras` ((file, strength), ...) to the
+    transformer's loader, either way.
     """
     if memory_budget_gb is not None:
-        if not memory_budget_gb > 0:
-            raise H3Error(f"memory budget must be a positive number of GB, got {memory_budget_gb}.")
+        finite = isinstance(memory_budget_gb, (int, float)) and math.isfinite(memory_budget_gb)
+        if not (finite and memory_budget_gb > 0):
+            raise H3Error(f"memory budget must be a finite number of GiB above 0, got {memory_budget_gb}.")
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
-                               height=height, num_frames=num_frames, chunk_size=chunk_size, loras=loras,
-                               keep=keep, keyframes=keyframes, steps=steps)
+                               height=height, num_frames=num_frames, dtype=dtype, chunk_size=chunk_size,
+                               loras=loras, keep=keep, keyframes=keyframes, steps=steps,
+                               residency=None if residency == "auto" else residency)
         if log:
             log(plan.describe())
-        options = {name: dict(opts) for name, opts in plan.component_options.items()}
+        options = {name: dict(plan.component_options.get(name, {})) for name in COMPONENTS}
     else:
         if residency == "auto":
             residency = Platform.for_device(device).default_residency
         options = {name: ({"residency": residency} if residency != "resident" else {}) for name in COMPONENTS}
-        if chunk_size is not None:  # rows per chunk of attention queries and MLP, in the transformer and text encoder
+        if chunk_size is not None:
             options["transformer"]["chunk_size"] = chunk_size
-            options["text_encoder"]["chunk_size"] = chunk_size
+    if chunk_size is not None:  # the plan sets the transformer's; the text encoder takes the same rows per chunk
+        options["text_encoder"]["chunk_size"] = chunk_size
     if loras:
         options.setdefault("transformer", {})["loras"] = [(path, float(strength)) for path, strength in loras]
     return options

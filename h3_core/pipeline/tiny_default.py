@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..errors import H3Error
 from ..models.dit_config import H3DiTConfig
 from ..models.tokenizer import H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS
 
@@ -85,10 +86,22 @@ def write_tiny_tokenizer(path: Path, *, with_h3_tokens: bool = True) -> Path:
 
 def cache_root() -> Path:
     """`$H3_STREAM_CACHE`, else `$XDG_CACHE_HOME/h3-stream`, else `~/.cache/h3-stream`."""
+    return _cache_root_and_setting()[0]
+
+
+def _cache_root_and_setting() -> tuple[Path, str]:
+    """The cache folder and the setting that chose it, as an error message names it."""
     if os.environ.get("H3_STREAM_CACHE"):
-        return Path(os.environ["H3_STREAM_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "h3-stream"
+        return Path(os.environ["H3_STREAM_CACHE"]).expanduser(), "$H3_STREAM_CACHE"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "h3-stream", "$XDG_CACHE_HOME"
+    return Path.home() / ".cache" / "h3-stream", "the default cache folder (~/.cache/h3-stream)"
+
+
+def _cache_error(root: Path, setting: str, why: str) -> H3Error:
+    fix = ("set H3_STREAM_CACHE to a folder you can write, or unset it" if setting.startswith("$")
+           else "give a folder you can write")
+    return H3Error(f"{setting} {str(root)!r}: {why}, so the tiny default model cannot be written there; {fix}.")
 
 
 def _randomize(module: nn.Module, seed: int) -> None:
@@ -228,26 +241,92 @@ def write_tiny_model(root: Path) -> Path:
     _write_text_encoder(root)
     _write_vaes(root)
     write_tiny_lora(root / "loras" / TINY_LORA)
+    (root / MANIFEST).write_text(json.dumps(_manifest(root), indent=2))
     (root / "model_index.json").write_text(json.dumps({
         "_minimax_h3": {"schema_version": 1, "partition": "fl2va", "tiny_random": True,
                         "text_encoder_layer": TEXT_ENCODER_LAYER}}, indent=2))
     return root
 
 
+MANIFEST = "tiny_manifest.json"
+
+
+def _manifest(root: Path) -> dict[str, int]:
+    """Every file of a tiny model folder and its size (written with the model; checked on every use)."""
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MANIFEST}
+
+
+def _damage(target: Path) -> str | None:
+    """What is wrong with a complete-looking cached tiny model (a file missing or of the wrong size), or None."""
+    try:
+        expected = json.loads((target / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"its {MANIFEST} is missing or unreadable (an earlier h3-stream wrote none)"
+    for name, size in expected.items():
+        try:
+            actual = (target / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} is {actual} bytes, expected {size}"
+    return None
+
+
+def _remove_dead_staging(root: Path) -> None:
+    """Staging folders of first uses that were killed (`.tiny-v1-PID-*` of a process that is gone), and of older
+    versions without a process id once they are an hour old."""
+    import time
+
+    from .media import process_alive
+
+    try:
+        entries = [e for e in root.iterdir() if e.name.startswith(f".{TINY_VERSION}-") and e.is_dir()]
+    except OSError:
+        return
+    for entry in entries:
+        owner = entry.name[len(TINY_VERSION) + 2:].split("-", 1)[0]
+        try:
+            stale = not process_alive(int(owner)) if owner.isdigit() else time.time() - entry.stat().st_mtime > 3600
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
 def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> Path:
-    """The tiny model's folder, generated on first use (written to a temporary folder, then renamed into place so an
-    interrupted run never leaves half a model behind)."""
-    root = Path(cache_dir).expanduser() if cache_dir else cache_root()
+    """The tiny model's folder, generated on first use (written to a staging folder, then renamed into place so an
+    interrupted run never leaves half a model behind; the next use removes a killed run's staging folder). A cached
+    model whose files are missing or of the wrong size is regenerated, with a one-line note to `log`."""
+    if cache_dir:
+        root, setting = Path(cache_dir).expanduser(), "cache_dir"
+    else:
+        root, setting = _cache_root_and_setting()
     target = root / TINY_VERSION
+    if root.exists() and not root.is_dir():
+        raise _cache_error(root, setting, "is a file, not a folder")
+    _remove_dead_staging(root)
+    damaged = None
     if (target / "model_index.json").is_file():
-        ensure_tiny_lora(root)  # a cache written before the LoRA existed
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    if log:
+        damaged = _damage(target)
+        if damaged is None:
+            ensure_tiny_lora(root)  # a cache written before the LoRA existed
+            return target
+        if log:
+            log(f"note: the cached tiny model in {target} is damaged ({damaged}); regenerating it")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-{os.getpid()}-", dir=root))
+    except OSError as exc:
+        raise _cache_error(root, setting, f"cannot be written ({exc.strerror or exc})") from None
+    if log and damaged is None:
         log(f"generating the tiny default model into {target} (first use only)")
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_VERSION}-", dir=root))
     try:
         write_tiny_model(staging)
+        if damaged is not None:  # move the damaged copy aside (its name marks it for removal), then swap
+            aside = root / f".{TINY_VERSION}-{os.getpid()}-damaged"
+            os.replace(target, aside)
+            shutil.rmtree(aside, ignore_errors=True)
         try:
             staging.rename(target)
         except OSError:
@@ -259,6 +338,8 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> P
                         entry.rename(target / entry.name)
             else:
                 raise
+    except OSError as exc:
+        raise _cache_error(root, setting, f"cannot be written ({exc.strerror or exc})") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -425,3 +425,31 @@ def peak_rss_bytes() -> int | None:
         return peak if sys.platform == "darwin" else peak * 1024
     except (ImportError, OSError):
         return None
+
+
+def device_problem(device) -> str | None:
+    """Why `device` (a string such as "cuda:1" or a torch.device) cannot run h3_core on this machine, in a few words
+    the caller puts after the name of its own setting; None when it can. Checked before any work starts, so that a
+    missing GPU is one message instead of a traceback from the first tensor moved there."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device; use cpu, cuda, cuda:N or mps"
+    kind = device.type
+    if kind not in _FACTS:
+        return f"h3-stream runs on cpu, cuda, cuda:N or mps, not on {kind!r} devices"
+    if kind == "cuda":
+        if not torch.backends.cuda.is_built():
+            return "this PyTorch build has no CUDA support (install a CUDA build of torch, or run on the CPU)"
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return "PyTorch has CUDA support but finds no usable GPU (driver, CUDA_VISIBLE_DEVICES?)"
+        if device.index is not None and device.index >= count:
+            return f"there is no GPU {device.index}: this machine has {count} (cuda:0 to cuda:{count - 1})"
+    elif kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            return "Apple MPS is not available here (it needs an Apple-silicon Mac and a torch built with MPS)"
+    elif device.index not in (None, 0):
+        return f"the CPU is one device (cpu or cpu:0), not cpu:{device.index}"
+    return None
