@@ -83,7 +83,7 @@ def test_shape_mismatch_between_config_and_weights(good, tmp_path):
 def test_integer_dtype(good, tmp_path):
     path = copy(good["comfy"], tmp_path / "c.safetensors")
     rewrite(path, lambda s: s.__setitem__("blocks.0.norm1.weight", torch.ones(64, dtype=torch.int32)))
-    expect(path, "c.safetensors", "'blocks.0.norm1.weight' has dtype int32", "floating point")
+    expect(path, "c.safetensors", "'blocks.0.norm1.weight' has dtype int32", "bf16, fp16 or fp32")
 
 
 def test_truncated_file(good, tmp_path):

@@ -18,6 +18,15 @@ from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
 
 T = TypeVar("T")
 
+# The dtypes every component computes in; anything else in a checkpoint (fp8, int8, packed 4-bit, ...) is a quantised
+# format, refused from the header instead of failing at the first forward.
+FULL_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+QUANTISED_NOT_SUPPORTED = "quantised checkpoints (fp8, int8, NVFP4, ...) are not supported yet"
+
+
+def full_precision(dtype: torch.dtype) -> bool:
+    return dtype in FULL_PRECISION_DTYPES
+
 
 @dataclass
 class WeightSpec:
@@ -192,9 +201,8 @@ def expected_shapes(specs) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(source: Path, files: Mapping[str, SafetensorsFile], expected: Mapping[str, tuple[int, ...]],
                   describe: str, *, ignore: Callable[[str], bool] = lambda key: False,
-                  dtype_ok: Callable[[torch.dtype], bool] = lambda dtype: dtype.is_floating_point,
-                  dtype_rule: str = "must be floating point (bf16, fp16 or fp32). Quantised integer variants are not "
-                                    "supported") -> None:
+                  dtype_ok: Callable[[torch.dtype], bool] = full_precision,
+                  dtype_rule: str = f"weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}") -> None:
     """Every expected key present with its shape and an accepted dtype, and no unknown key (`ignore` aside): one
     `CheckpointError` naming the file and key otherwise. `describe` says what the checkpoint was expected to be."""
     missing = [k for k in expected if k not in files]

@@ -26,9 +26,9 @@ from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTCo
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
-                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader,
-                         swap_halves)
+from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows,
+                         expected_shapes, not_a_checkpoint, open_folder_files, read_json, resolve_source,
+                         shape_reader, swap_halves)
 from .lora_loader import set_loras
 from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
@@ -211,8 +211,8 @@ def _check(ckpt: Checkpoint) -> Checkpoint:
                            for k in present):
         raise _not_a_transformer(ckpt.source, present)
     return ckpt.check(f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer",
-                      dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants "
-                                 "are not supported")
+                      dtype_rule=f"H3 transformer weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+                                 "minimax_h3_fl2va_bf16 / minimax_h3_ref2va_bf16 or the official transformer/ folder")
 
 
 # ---- building the module --------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
 from ..runtime.chunking import check_chunk_size
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files, read_json,
-                         resolve_source, shape_reader)
+from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, WeightSpec, count_indexed, not_a_checkpoint,
+                         open_folder_files, read_json, resolve_source, shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -242,9 +242,8 @@ def _check(source: Path, layout: str, config: TextEncoderConfig, files: dict[str
     ckpt = Checkpoint("text_encoder", source, layout, config, files, _plan(config, layer, lp, vision_prefix),
                       allowed_extra={k for k in files if never_read(k)})
     return ckpt.check(f"a {layout} Qwen3-VL text encoder read up to layer {layer}",
-                      dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
-                      dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) "
-                                 "variants are not supported")
+                      dtype_rule=f"the text encoder must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+                                 "qwen3vl_32b_minimax_h3_bf16.safetensors or the official text_encoder/ folder")
 
 
 # ---- tokenizer and image processor beside the model ------------------------------------------------------------------
