@@ -77,7 +77,8 @@ def test_shape_mismatch_between_config_and_weights(good, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["ffn_dim"] = 80
     (folder / "config.json").write_text(json.dumps(config))
-    expect(folder, "diffusion_pytorch_model.safetensors", "has shape [192, 64], expected [160, 64]")
+    expect(folder, f"{folder / 'config.json'}: 'ffn_dim' is 80 but the weights hold 96: "
+                   "'transformer_blocks.0.ff.net.2.weight' has shape [64, 96] in diffusion_pytorch_model.safetensors.")
 
 
 def test_integer_dtype(good, tmp_path):
