@@ -79,6 +79,11 @@ FIELDS = [
     ("audio-diffusers", "decoder_dim", "decoder_dim"),
     ("audio-diffusers", "latent_dim", "latent_dim"),
 ]
+# Lists whose length is a count (10^5 dilations per residual block used to hang building them).
+LONG_LISTS = [
+    ("audio-diffusers", "resblock_dilation_sizes", [[1] * 100_000] * 3,
+     "'resblock_dilation_sizes[0] (their number)' is 100000 but the weights hold 3"),
+]
 
 
 def _edit_config(folder: Path, relative: str, dotted: str, value) -> Path:
@@ -144,10 +149,10 @@ def test_dit_type_message_in_full(checkpoints, tmp_path):
 
 
 LOAD_IN_SUBPROCESS = {"dit": "h3_core.load_dit(source)", "tex": "h3_core.load_text_encoder(source, layer=2)",
-                      "vid": "h3_core.load_video_vae(source)"}
+                      "vid": "h3_core.load_video_vae(source)", "aud": "h3_core.load_audio_vae(source)"}
 
 
-@pytest.mark.parametrize("checkpoint", sorted({c for c, k, _ in FIELDS if k in COUNTS}))
+@pytest.mark.parametrize("checkpoint", sorted({c for c, k, _ in FIELDS if k in COUNTS} | {c for c, *_ in LONG_LISTS}))
 def test_absurd_counts_are_refused_without_building_them(checkpoints, tmp_path, checkpoint):
     """Every absurd count of `checkpoint`'s config, each in its own copy, loaded in one subprocess that must finish
     within 60 s with one CheckpointError per case (it used to build the 10^9 blocks)."""
@@ -159,6 +164,10 @@ def test_absurd_counts_are_refused_without_building_them(checkpoints, tmp_path, 
             folder = shutil.copytree(checkpoints[checkpoint], tmp_path / f"{key}-{value}")
             config_path = _edit_config(folder, CONFIG_FILE.get(checkpoint, "config.json"), key, value)
             cases.append((str(folder), f"{config_path}: '{key}' is {value} but the weights hold "))
+    for c, key, value, expected in LONG_LISTS:
+        if c == checkpoint:
+            folder = shutil.copytree(checkpoints[checkpoint], tmp_path / key)
+            cases.append((str(folder), f"{_edit_config(folder, 'config.json', key, value)}: {expected}"))
     script = textwrap.dedent(f"""
         import json, sys, h3_core
         from h3_core.errors import CheckpointError

@@ -153,6 +153,10 @@ def _check_audio_config_against_header(config: AudioVAEConfig, config_path: Path
          sizes.count("decoder.resblocks.", "residual blocks")),
     ])
     check_config_sizes(config_path, [
+        (f"resblock_dilation_sizes[{j}] (their number)", len(dilations),
+         sizes.count(f"decoder.resblocks.{j}.convs1.", f"dilated convolutions in residual block {j}"))
+        for j, dilations in enumerate(c.resblock_dilation_sizes)])
+    check_config_sizes(config_path, [
         ("encoder_dim", c.encoder_dim, conv("encoder.block.0", 0)),
         ("latent_dim", c.latent_dim, conv(f"encoder.block.{len(c.encoder_rates) + 2}", 0)),
         ("latent_channels", c.latent_channels, sizes.dim("mean_proj.weight", 0)),
