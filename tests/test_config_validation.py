@@ -70,6 +70,7 @@ FIELDS = [
     ("text-encoder", "text_config.intermediate_size", "text_config.intermediate_size"),
     ("text-encoder", "vision_config.depth", "vision_config.depth"),
     ("text-encoder", "vision_config.hidden_size", "vision_config.hidden_size"),
+    ("text-encoder", "vision_config.spatial_merge_size", "vision_config.spatial_merge_size"),
     ("video-diffusers", "decoder_num_layers", "decoder_num_layers"),
     ("video-diffusers", "layers_per_block", "layers_per_block"),
     ("video-diffusers", "decoder_num_register_tokens", "decoder_num_register_tokens"),

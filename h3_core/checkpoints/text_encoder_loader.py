@@ -220,6 +220,10 @@ def _check_config_against_header(config: TextEncoderConfig, config_path, sizes: 
             ("vision_config.intermediate_size", v.intermediate_size,
              sizes.dim(vp + "blocks.0.mlp.linear_fc1.weight", 0)),
             ("vision_config.out_hidden_size", v.out_hidden_size, sizes.dim(vp + "merger.linear_fc2.weight", 0)),
+            # the merger concatenates merge x merge patches
+            ((("vision_config.hidden_size", v.hidden_size), ("vision_config.spatial_merge_size (squared)",
+                                                               v.spatial_merge_size)),
+             v.hidden_size * v.spatial_merge_size ** 2, sizes.dim(vp + "merger.linear_fc1.weight", 1)),
             ("vision_config.num_position_embeddings", v.num_position_embeddings,
              sizes.dim(vp + "pos_embed.weight", 0)),
             ("vision_config.deepstack_visual_indexes (their number)", len(v.deepstack_visual_indexes),

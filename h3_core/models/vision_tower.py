@@ -76,8 +76,8 @@ class VisionTowerConfig:
             raise H3Error(f"vision config: num_position_embeddings {self.num_position_embeddings} is not a square.")
         indexes = self.deepstack_visual_indexes
         if any(not 0 <= i < self.depth for i in indexes) or len(set(indexes)) != len(indexes):
-            raise H3Error(f"vision config: deepstack_visual_indexes {list(indexes)} must be distinct block indices "
-                          f"below depth {self.depth}.")
+            raise H3Error(f"vision config: deepstack_visual_indexes {str(list(indexes))[:80]} must be distinct block "
+                          f"indices below depth {self.depth}.")
         if self.hidden_act not in _ACTIVATIONS:
             raise H3Error(f"vision config: hidden_act {self.hidden_act!r} is not supported "
                           f"({', '.join(_ACTIVATIONS)}).")
