@@ -431,7 +431,8 @@ def test_missing_key(setup, tmp_path):
 
 def test_wrong_shape(setup, tmp_path):
     path = _comfy_variant(setup, tmp_path, lambda s: s.update({"visual.pos_embed.weight": torch.zeros(25, 32)}))
-    with pytest.raises(CheckpointError, match=r"'visual.pos_embed.weight' has shape \[25, 32\], expected \[16, 32\]"):
+    with pytest.raises(CheckpointError, match=r"'vision_config.num_position_embeddings' is 16 but the weights hold 25: "
+                                              r"'visual.pos_embed.weight' has shape \[25, 32\]"):
         _load_comfy(setup, path)
 
 

@@ -347,7 +347,8 @@ def test_loader_errors_name_the_file_and_key(checkpoints, reference, tmp_path):
     config = json.loads((diffusers / "config.json").read_text())
     config["decoder_ffn_mult"] = 2
     (diffusers / "config.json").write_text(json.dumps(config))
-    _one_error(lambda: load_video_vae(diffusers), CheckpointError, "has shape", "expected")
+    _one_error(lambda: load_video_vae(diffusers), CheckpointError, f"{diffusers / 'config.json'}: 'decoder_ffn_mult' "
+               "is 2.0 but the weights hold 4.0: 'decoder.transformer_blocks.0.ff.net.2.weight' has shape [128, 512]")
 
     # Integer weights are refused by name.
     state = load_file(checkpoints["comfy"])

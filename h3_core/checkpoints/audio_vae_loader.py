@@ -24,8 +24,8 @@ from ..models.audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN,
                                 AudioVAEConfig, fold_weight_norm)
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
-from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files,
-                         read_json, resolve_source, shape_reader)
+from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes, count_indexed,
+                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
 from .vae_common import (check_vae, config_error, int_list, latent_stats, open_single_file, open_vae, populate,
                          positive_number, require_value, stats_from_file, weights_folder)
 
@@ -111,9 +111,10 @@ def _audio_config_from_diffusers(raw: dict, path: Path) -> AudioVAEConfig:
     channels = positive_number(raw, "latent_channels", 32, path)
     stats = latent_stats(raw, path, channels, required=True)
     dilations = raw.get("resblock_dilation_sizes", ((1, 3, 5),) * 3)
-    if not isinstance(dilations, (list, tuple)) or not all(isinstance(d, (list, tuple)) for d in dilations):
-        raise CheckpointError(f"{path}: 'resblock_dilation_sizes' must be a list of lists.", path=path,
-                              key="resblock_dilation_sizes")
+    if not isinstance(dilations, (list, tuple)) or not all(
+            isinstance(d, (list, tuple)) and d and all(type(v) is int and v > 0 for v in d) for d in dilations):
+        raise CheckpointError(f"{path}: 'resblock_dilation_sizes' must be a list of lists of positive integers, got "
+                              f"{str(dilations)[:60]}.", path=path, key="resblock_dilation_sizes")
     try:
         return AudioVAEConfig(
             encoder_dim=positive_number(raw, "encoder_dim", 64, path),
@@ -132,6 +133,36 @@ def _audio_config_from_diffusers(raw: dict, path: Path) -> AudioVAEConfig:
         )
     except ValueError as exc:
         raise config_error(path, exc) from None
+
+
+def _check_audio_config_against_header(config: AudioVAEConfig, config_path: Path, sizes: HeaderSizes) -> None:
+    """The sizes the config implies against the tensor shapes, before the module is built."""
+    def conv(key: str, index: int):  # a convolution stored folded or as a weight-norm pair
+        for suffix in ("weight_v", "parametrizations.weight.original1", "weight"):
+            if f"{key}.{suffix}" in sizes.files:
+                return sizes.dim(f"{key}.{suffix}", index)
+        return sizes.dim(f"{key}.weight_v", index)
+
+    c = config
+    blocks, where = sizes.count("encoder.block.", "encoder stages")
+    stages = len(c.decoder_rates)
+    check_config_sizes(config_path, [
+        # encoder.block.0 is the input convolution; the last two are the output activation and convolution
+        ("encoder_rates (their number)", len(c.encoder_rates), (blocks - 3, f"{blocks} - 3 blocks: {where}")),
+        ("decoder_rates (their number)", stages, sizes.count("decoder.ups.", "upsamplers")),
+        ("resblock_kernel_sizes (their number) x decoder_rates (their number)", len(c.resblock_kernel_sizes) * stages,
+         sizes.count("decoder.resblocks.", "residual blocks")),
+    ])
+    check_config_sizes(config_path, [
+        (f"resblock_dilation_sizes[{j}] (their number)", len(dilations),
+         sizes.count(f"decoder.resblocks.{j}.convs1.", f"dilated convolutions in residual block {j}"))
+        for j, dilations in enumerate(c.resblock_dilation_sizes)])
+    check_config_sizes(config_path, [
+        ("encoder_dim", c.encoder_dim, conv("encoder.block.0", 0)),
+        ("latent_dim", c.latent_dim, conv(f"encoder.block.{len(c.encoder_rates) + 2}", 0)),
+        ("latent_channels", c.latent_channels, sizes.dim("mean_proj.weight", 0)),
+        ("decoder_dim", c.decoder_dim, sizes.dim("decoder.conv_pre.bias", 0)),
+    ])
 
 
 def _native_audio_base(metadata: dict, path: Path) -> dict:
@@ -179,6 +210,7 @@ def _resolve_audio_folder(folder: Path) -> Checkpoint:
                                   path=folder / "config.json", key="_class_name")
         files = open_folder_files(folder, "diffusion_pytorch_model")
         layout, config = "diffusers", _audio_config_from_diffusers(raw, folder / "config.json")
+        _check_audio_config_against_header(config, folder / "config.json", HeaderSizes(folder, files, "H3 audio VAE"))
     else:
         files = open_folder_files(folder, "model")
         if AUDIO_DETECT_KEY not in files:

@@ -18,6 +18,15 @@ from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
 
 T = TypeVar("T")
 
+# The dtypes every component computes in; anything else in a checkpoint (fp8, int8, packed 4-bit, ...) is a quantised
+# format, refused from the header instead of failing at the first forward.
+FULL_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+QUANTISED_NOT_SUPPORTED = "quantised checkpoints (fp8, int8, NVFP4, ...) are not supported yet"
+
+
+def full_precision(dtype: torch.dtype) -> bool:
+    return dtype in FULL_PRECISION_DTYPES
+
 
 @dataclass
 class WeightSpec:
@@ -109,6 +118,81 @@ def count_indexed(shape: Callable[[str], tuple[int, ...] | None], pattern: str) 
     return n
 
 
+class HeaderSizes:
+    """Sizes read from the headers of a checkpoint's files, each with the words that say where it was read: what a
+    config.json is checked against before any module is built (a config asking for 10^9 layers must not build them
+    to find out the file holds 50). `what` names the model the files should be."""
+
+    def __init__(self, source: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = ""):
+        self.source, self.files, self.what, self.prefix = source, files, what, prefix
+
+    def dim(self, key: str, index: int) -> tuple[int, str]:
+        """Dimension `index` of stored tensor `prefix + key`."""
+        key = self.prefix + key
+        if key not in self.files:
+            raise CheckpointError(f"{self.source}: missing key '{key}', needed to check the config against the "
+                                  f"weights; the checkpoint is not a complete {self.what}.", path=self.source, key=key)
+        file = self.files[key]
+        shape = file.shape(key)
+        if len(shape) <= index:
+            raise CheckpointError(f"{file.path}: tensor '{key}' has shape {list(shape)}, which is not the shape of "
+                                  f"that tensor in a {self.what}.", path=file.path, key=key)
+        return shape[index], f"'{key}' has shape {list(shape)} in {file.path.name}"
+
+    def count(self, prefix: str, what: str) -> tuple[int, str]:
+        """How many indexed groups `prefix + N.` the files hold, counting N = 0, 1, ... until the first gap (keys
+        past a gap are reported by the strict key check, naming the file)."""
+        head = self.prefix + prefix
+        indices = set()
+        for key in self.files:
+            if key.startswith(head):
+                number = key[len(head):].partition(".")[0]
+                if number.isdigit():
+                    indices.add(int(number))
+        n = 0
+        while n in indices:
+            n += 1
+        if n == 0:
+            return 0, f"no '{head}N.' {what}"
+        return n, f"{n} {what} ('{head}0.' to '{head}{n - 1}.')"
+
+
+def check_config_sizes(config_path: Path, checks) -> None:
+    """Each `(config key, configured value, (found, where))` must agree: else one `CheckpointError` naming the config
+    file, the key, its value and what the weights hold. A size made of several fields is given as
+    `((key, value), (key, value), ...)` with their product as the configured value."""
+    for key, configured, (found, where) in checks:
+        if configured == found:
+            continue
+        if isinstance(key, tuple):
+            said = " and ".join(f"'{k}' is {v!r}" for k, v in key) + f", making {configured!r},"
+            key = key[0][0]
+        else:
+            said = f"'{key}' is {configured!r}"
+        raise CheckpointError(
+            f"{config_path}: {said} but the weights hold {found}: {where}. The config and the weights do not "
+            "match; restore the config.json that came with these weights.", path=config_path, key=key)
+
+
+def config_int(raw: Mapping[str, Any], key: str, default, path: Path, *, minimum: int = 1, label: str | None = None):
+    """`raw[key]` (else `default`) as an integer >= `minimum`: JSON true, 2.0 and "2" are refused, naming the key."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "positive integer" if minimum == 1 else f"integer >= {minimum}"
+        raise CheckpointError(f"{path}: '{label or key}' must be a {kind}, got {value!r}. Restore the config.json of "
+                              "the release.", path=path, key=label or key)
+    return value
+
+
+def config_float(raw: Mapping[str, Any], key: str, default, path: Path, *, label: str | None = None):
+    """`raw[key]` (else `default`) as a finite positive number."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CheckpointError(f"{path}: '{label or key}' must be a positive number, got {value!r}. Restore the "
+                              "config.json of the release.", path=path, key=label or key)
+    return float(value)
+
+
 # Only the audio VAE has this tensor (its encoder's attention); also how its loader recognises one.
 AUDIO_DETECT_KEY = "pre_block.attn.zero_k_bias"
 
@@ -192,9 +276,8 @@ def expected_shapes(specs) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(source: Path, files: Mapping[str, SafetensorsFile], expected: Mapping[str, tuple[int, ...]],
                   describe: str, *, ignore: Callable[[str], bool] = lambda key: False,
-                  dtype_ok: Callable[[torch.dtype], bool] = lambda dtype: dtype.is_floating_point,
-                  dtype_rule: str = "must be floating point (bf16, fp16 or fp32). Quantised integer variants are not "
-                                    "supported") -> None:
+                  dtype_ok: Callable[[torch.dtype], bool] = full_precision,
+                  dtype_rule: str = f"weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}") -> None:
     """Every expected key present with its shape and an accepted dtype, and no unknown key (`ignore` aside): one
     `CheckpointError` naming the file and key otherwise. `describe` says what the checkpoint was expected to be."""
     missing = [k for k in expected if k not in files]

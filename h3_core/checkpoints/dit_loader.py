@@ -28,9 +28,9 @@ from ..runtime.chunking import ChunkingPolicy
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, expected_shapes,
-                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader,
-                         swap_halves)
+from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes,
+                         count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint, open_folder_files,
+                         read_json, resolve_source, shape_reader, swap_halves)
 from .lora_loader import set_loras
 from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
@@ -181,7 +181,48 @@ def _resolve_folder(folder: Path) -> Checkpoint:
         )
     config = H3DiTConfig.from_dict(raw, source=config_path)
     files = open_folder_files(folder, stem)
+    _check_config_against_header(config, layout, config_path, HeaderSizes(folder, files, "H3 transformer"))
     return _check(Checkpoint("transformer", folder, layout, config, files, _plan(layout, config)))
+
+
+def _check_config_against_header(config: H3DiTConfig, layout: str, config_path: Path, sizes: HeaderSizes) -> None:
+    """Every size the config implies against the tensor shapes in the headers, before the module is built (building
+    it for a config asking 10^9 blocks would never finish)."""
+    def key(native: str) -> str:
+        if layout != "diffusers":
+            return native
+        if native.startswith("blocks.0."):
+            return "transformer_blocks.0." + _diffusers_block_key(native[len("blocks.0."):])
+        ours = next(p for p in _DIFFUSERS_GLOBALS if native.startswith(p))
+        return _DIFFUSERS_GLOBALS[ours] + native[len(ours):]
+
+    c = config
+    blocks = "transformer_blocks." if layout == "diffusers" else "blocks."
+    refiner = "token_refiner.refiner_blocks." if layout == "diffusers" else "token_refiner.blocks."
+    name = lambda field: c.config_key(field, layout)  # noqa: E731
+    checks = [
+        (name("num_layers"), c.num_layers, sizes.count(blocks, "transformer blocks")),
+        (name("num_refiner_layers"), c.num_refiner_layers, sizes.count(refiner, "token-refiner blocks")),
+        (name("hidden_size"), c.hidden_size, sizes.dim(key("video_patch_proj.weight"), 0)),
+    ]
+    if c.num_layers:
+        checks += [
+            (name("attention_head_dim"), c.attention_head_dim, sizes.dim(key("blocks.0.attn.q_norm.weight"), 0)),
+            (((name("num_attention_heads"), c.num_attention_heads), (name("attention_head_dim"), c.attention_head_dim)),
+             c.inner_dim,
+             sizes.dim(key("blocks.0.attn.out_proj.weight"), 1)),
+            (name("ffn_dim"), c.ffn_dim, sizes.dim(key("blocks.0.mlp.fc2.weight"), 1)),
+        ]
+    checks += [
+        (((name("in_channels"), c.in_channels), (name("patch_size"), list(c.patch_size))), c.video_patch_dim,
+         sizes.dim(key("video_patch_proj.weight"), 1)),
+        (name("audio_in_channels"), c.audio_in_channels, sizes.dim(key("audio_patch_proj.weight"), 1)),
+        (name("text_dim"), c.text_dim, sizes.dim(key("condition_proj.weight"), 1)),
+        (name("freq_dim"), c.freq_dim, sizes.dim(key("time_embedder.proj_in.weight"), 1)),
+        (name("time_embed_hidden_dim"), c.time_embed_hidden_dim, sizes.dim(key("time_embedder.proj_in.weight"), 0)),
+        (name("time_embed_dim"), c.time_embed_dim, sizes.dim(key("time_embedder.proj_out.weight"), 0)),
+    ]
+    check_config_sizes(config_path, checks)
 
 
 def _resolve_comfy(path: Path) -> Checkpoint:
@@ -213,8 +254,8 @@ def _check(ckpt: Checkpoint) -> Checkpoint:
                            for k in present):
         raise _not_a_transformer(ckpt.source, present)
     return ckpt.check(f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer",
-                      dtype_rule="H3 weights must be floating point (bf16, fp16 or fp32). Quantised integer variants "
-                                 "are not supported")
+                      dtype_rule=f"H3 transformer weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+                                 "minimax_h3_fl2va_bf16 / minimax_h3_ref2va_bf16 or the official transformer/ folder")
 
 
 # ---- building the module --------------------------------------------------------------------------------------------

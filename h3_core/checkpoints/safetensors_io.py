@@ -26,17 +26,61 @@ _DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    "C64": torch.complex64,
     "I64": torch.int64,
     "I32": torch.int32,
     "I16": torch.int16,
     "I8": torch.int8,
+    "U64": torch.uint64,
+    "U32": torch.uint32,
+    "U16": torch.uint16,
     "U8": torch.uint8,
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
-# A safetensors header is JSON; anything this large is corrupt, not a header.
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Sub-byte formats the safetensors library knows (bits per element) but no torch tensor can view element by element:
+# only quantised checkpoints use them.
+_PACKED_DTYPE_BITS = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+# The safetensors library's own limits: the header length (100 MB) and serde_json's nesting depth.
+MAX_HEADER_BYTES = 100_000_000
+MAX_HEADER_DEPTH = 128
+
+
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_pairs(pairs):
+    """`object_pairs_hook` that refuses a key repeated inside one JSON object (plain `json` keeps the last)."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _nesting_depth(value) -> int:
+    """Depth of nested lists / objects in `value` (a scalar is 0), without recursion."""
+    deepest = 0
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _is_count(value) -> bool:
+    """A JSON non-negative integer (Python's bool is an int; JSON true is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def refuse_pickle(path: Path) -> None:
@@ -70,32 +114,59 @@ class SafetensorsFile:
             )
         with open(self.path, "rb") as handle:
             header_len = int.from_bytes(handle.read(8), "little")
-            if header_len > self.file_size - 8 or header_len > _MAX_HEADER_BYTES:
+            if header_len > self.file_size - 8:
                 raise CheckpointError(
                     f"{self.path}: the safetensors header claims {header_len} bytes but the file holds only "
                     f"{self.file_size - 8} after the length field; the file is truncated or not a safetensors file. "
                     "Download it again.",
                     path=self.path,
                 )
+            if header_len > MAX_HEADER_BYTES:
+                raise CheckpointError(
+                    f"{self.path}: the safetensors header claims {header_len} bytes, more than the {MAX_HEADER_BYTES} "
+                    "the safetensors format allows; the file is corrupt or not a safetensors file.",
+                    path=self.path,
+                )
             raw = handle.read(header_len)
-        try:
-            header = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = self._parse_header(raw)
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise CheckpointError(
-                f"{self.path}: the safetensors header is not valid JSON ({exc}); the file is corrupt or not a "
-                "safetensors file.",
-                path=self.path,
-            ) from None
-        if not isinstance(header, dict):
-            raise CheckpointError(f"{self.path}: the safetensors header is not a JSON object.", path=self.path)
-        metadata = header.pop("__metadata__", None) or {}
-        self.metadata: dict[str, str] = dict(metadata) if isinstance(metadata, dict) else {}
+                f"{self.path}: the safetensors '__metadata__' must map strings to strings, got "
+                f"{str(metadata)[:80]}; the file is corrupt.",
+                path=self.path, key="__metadata__")
+        self.metadata: dict[str, str] = metadata
         self._data_start = 8 + header_len
         data_size = self.file_size - self._data_start
         self._entries: dict[str, tuple[torch.dtype, tuple[int, ...], int, int]] = {}
         for key, info in header.items():
             self._entries[key] = self._validate_entry(key, info, data_size)
+        self._check_coverage(data_size)
         self._storage: torch.UntypedStorage | None = None
+
+    def _parse_header(self, raw: bytes) -> dict:
+        """The header JSON as the safetensors library reads it: UTF-8, one object, no repeated key, nesting bounded."""
+        def corrupt(why):
+            return CheckpointError(f"{self.path}: the safetensors header {why}; the file is corrupt or not a "
+                                   "safetensors file. Download it again.", path=self.path)
+
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
+        except _DuplicateKey as exc:
+            raise CheckpointError(
+                f"{self.path}: the safetensors header names '{exc.args[0]}' twice, so which tensor it means is "
+                "ambiguous; the file is corrupt. Download it again.", path=self.path, key=exc.args[0]) from None
+        except RecursionError:
+            raise corrupt(f"is nested more than {MAX_HEADER_DEPTH} levels deep") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise corrupt(f"is not valid JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise corrupt("is not a JSON object")
+        if _nesting_depth(header) > MAX_HEADER_DEPTH:
+            raise corrupt(f"is nested more than {MAX_HEADER_DEPTH} levels deep")
+        return header
 
     def _validate_entry(self, key, info, data_size):
         def bad(why):
@@ -104,16 +175,21 @@ class SafetensorsFile:
 
         if not isinstance(info, dict) or "dtype" not in info or "shape" not in info or "data_offsets" not in info:
             raise bad("its header entry lacks dtype, shape or data_offsets")
-        dtype = _DTYPES.get(info["dtype"])
+        name = info["dtype"]
+        if isinstance(name, str) and name in _PACKED_DTYPE_BITS:
+            raise CheckpointError(
+                f"{self.path}: tensor '{key}' has dtype {name}, a packed quantised format; quantised checkpoints are "
+                "not supported yet. Use the bf16 (or fp16 / fp32) release files.", path=self.path, key=key)
+        dtype = _DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
-            raise bad(f"unknown dtype {info['dtype']!r}")
+            raise bad(f"unknown dtype {name!r}")
         shape = info["shape"]
         offsets = info["data_offsets"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise bad(f"invalid shape {shape!r}")
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1]):
-            raise bad(f"invalid data_offsets {offsets!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise bad(f"invalid shape {shape!r} (must be a list of non-negative integers)")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+                or offsets[0] > offsets[1]):
+            raise bad(f"invalid data_offsets {offsets!r} (must be [begin, end] integers, begin <= end)")
         begin, end = offsets
         if end > data_size:
             raise CheckpointError(
@@ -122,10 +198,32 @@ class SafetensorsFile:
                 path=self.path,
                 key=key,
             )
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if end - begin != nbytes:
-            raise bad(f"shape {shape} of {info['dtype']} needs {nbytes} bytes but its offsets span {end - begin}")
+            raise bad(f"shape {shape} of {name} needs {nbytes} bytes but its offsets span {end - begin}")
         return dtype, tuple(shape), begin, end
+
+    def _check_coverage(self, data_size: int) -> None:
+        """The tensors tile the data section exactly, as the safetensors library requires: sorted by offset, each
+        starts where the previous ends (no overlap, no alias, no hole) and the last ends at the end of the file."""
+        def corrupt(key, why):
+            return CheckpointError(f"{self.path}: tensor '{key}' {why}; the file is corrupt. Download it again.",
+                                   path=self.path, key=key)
+
+        covered, previous = 0, None
+        for key, (_, _, begin, end) in sorted(self._entries.items(), key=lambda item: item[1][2:]):
+            if begin < covered:
+                what = "the same bytes as" if (begin, end) == self._entries[previous][2:] else "bytes that overlap"
+                raise corrupt(key, f"(data_offsets [{begin}, {end}]) uses {what} tensor '{previous}' "
+                                   f"(data_offsets {list(self._entries[previous][2:])})")
+            if begin > covered:
+                raise corrupt(key, f"starts at byte {begin} of the data section but the tensors before it end at "
+                                   f"{covered}: bytes {covered}-{begin} belong to no tensor")
+            covered, previous = end, key
+        if covered != data_size:
+            raise CheckpointError(
+                f"{self.path}: the tensors end at byte {covered} of the data section but the file holds {data_size} "
+                "(bytes that belong to no tensor); the file is corrupt. Download it again.", path=self.path)
 
     # ---- access ----------------------------------------------------------------------------------------------
 

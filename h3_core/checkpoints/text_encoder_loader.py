@@ -32,8 +32,8 @@ from ..runtime.chunking import check_chunk_size
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, count_indexed, not_a_checkpoint, open_folder_files, read_json,
-                         resolve_source, shape_reader)
+from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
+                         count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -181,15 +181,21 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
         )
     stored = count_indexed(shape_reader(path, files, "Qwen3-VL text encoder")[0],
                            language_prefix + "layers.{}.input_layernorm.weight")
+    config_path = None  # where the config came from, when not from the shapes
     if config is not None:
         encoder_config = _config_from_option(config, path)
+        config_path = _option_config_path(config)
     elif raw_config is not None:
+        config_path = path / "config.json"
         try:
             encoder_config = TextEncoderConfig.from_hf_dict(raw_config)
         except H3Error as exc:
-            raise CheckpointError(f"{path / 'config.json'}: {exc}", path=path / "config.json") from None
+            raise CheckpointError(f"{config_path}: {exc}", path=config_path) from None
     else:
         encoder_config = _config_from_shapes(path, files, language_prefix, vision_prefix, stored)
+    if config_path is not None:
+        _check_config_against_header(encoder_config, config_path, HeaderSizes(path, files, "Qwen3-VL text encoder"),
+                                     language_prefix, vision_prefix)
     if vision_prefix is None:
         encoder_config = encoder_config.without_vision()
     elif encoder_config.vision is None:
@@ -199,6 +205,51 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
         # The repack is truncated: the file, not the original config, says how many layers exist.
         encoder_config = replace(encoder_config, language=replace(encoder_config.language, num_hidden_layers=stored))
     return _check(path, layout, encoder_config, files, layer, language_prefix, vision_prefix, stored)
+
+
+def _option_config_path(config) -> str | Path:
+    if isinstance(config, (str, os.PathLike)):
+        source = Path(config).expanduser()
+        return source / "config.json" if source.is_dir() else source
+    return "config="
+
+
+def _check_config_against_header(config: TextEncoderConfig, config_path, sizes: HeaderSizes, lp: str,
+                                 vp: str | None) -> None:
+    """The sizes the config implies against the tensor shapes, before any module is built (a vision depth of 10^6
+    would take hours to build)."""
+    c = config.language
+    checks = [
+        ("text_config.vocab_size", c.vocab_size, sizes.dim(lp + "embed_tokens.weight", 0)),
+        ("text_config.hidden_size", c.hidden_size, sizes.dim(lp + "embed_tokens.weight", 1)),
+        ("text_config.intermediate_size", c.intermediate_size, sizes.dim(lp + "layers.0.mlp.gate_proj.weight", 0)),
+        ("text_config.head_dim", c.head_dim, sizes.dim(lp + "layers.0.self_attn.q_norm.weight", 0)),
+        ((("text_config.num_attention_heads", c.num_attention_heads), ("text_config.head_dim", c.head_dim)),
+         c.num_attention_heads * c.head_dim, sizes.dim(lp + "layers.0.self_attn.q_proj.weight", 0)),
+        ((("text_config.num_key_value_heads", c.num_key_value_heads), ("text_config.head_dim", c.head_dim)),
+         c.num_key_value_heads * c.head_dim, sizes.dim(lp + "layers.0.self_attn.k_proj.weight", 0)),
+    ]
+    v = config.vision
+    if v is not None and vp is not None:
+        checks += [
+            ("vision_config.depth", v.depth, sizes.count(vp + "blocks.", "vision blocks")),
+            ("vision_config.hidden_size", v.hidden_size, sizes.dim(vp + "patch_embed.proj.weight", 0)),
+            ("vision_config.in_channels", v.in_channels, sizes.dim(vp + "patch_embed.proj.weight", 1)),
+            ("vision_config.temporal_patch_size", v.temporal_patch_size, sizes.dim(vp + "patch_embed.proj.weight", 2)),
+            ("vision_config.patch_size", v.patch_size, sizes.dim(vp + "patch_embed.proj.weight", 3)),
+            ("vision_config.intermediate_size", v.intermediate_size,
+             sizes.dim(vp + "blocks.0.mlp.linear_fc1.weight", 0)),
+            ("vision_config.out_hidden_size", v.out_hidden_size, sizes.dim(vp + "merger.linear_fc2.weight", 0)),
+            # the merger concatenates merge x merge patches
+            ((("vision_config.hidden_size", v.hidden_size), ("vision_config.spatial_merge_size (squared)",
+                                                               v.spatial_merge_size)),
+             v.hidden_size * v.spatial_merge_size ** 2, sizes.dim(vp + "merger.linear_fc1.weight", 1)),
+            ("vision_config.num_position_embeddings", v.num_position_embeddings,
+             sizes.dim(vp + "pos_embed.weight", 0)),
+            ("vision_config.deepstack_visual_indexes (their number)", len(v.deepstack_visual_indexes),
+             sizes.count(vp + "deepstack_merger_list.", "deep-stack mergers")),
+        ]
+    check_config_sizes(config_path, checks)
 
 
 def _open_single_file(path: Path):
@@ -264,9 +315,8 @@ def _check(source: Path, layout: str, config: TextEncoderConfig, files: dict[str
     ckpt = Checkpoint("text_encoder", source, layout, config, files, _plan(config, layer, lp, vision_prefix),
                       allowed_extra={k for k in files if never_read(k)})
     return ckpt.check(f"a {layout} Qwen3-VL text encoder read up to layer {layer}",
-                      dtype_ok=lambda dtype: dtype.is_floating_point and dtype.itemsize >= 2,
-                      dtype_rule="the text encoder must be bf16, fp16 or fp32. Quantised (int8 / fp8 / NVFP4) "
-                                 "variants are not supported")
+                      dtype_rule=f"the text encoder must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+                                 "qwen3vl_32b_minimax_h3_bf16.safetensors or the official text_encoder/ folder")
 
 
 # ---- tokenizer and image processor beside the model ------------------------------------------------------------------

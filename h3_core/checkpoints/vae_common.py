@@ -18,7 +18,7 @@ from ..errors import CheckpointError, H3Error
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.layerwise import LayerwiseOffloadManager
-from .checkpoint import Checkpoint
+from .checkpoint import QUANTISED_NOT_SUPPORTED, Checkpoint, full_precision
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -105,8 +105,9 @@ def weights_folder(path: Path) -> Path | None:
 
 def check_vae(ckpt: Checkpoint, describe: str) -> Checkpoint:
     """Strict key, shape and dtype checks; one error naming the file and key."""
-    return ckpt.check(describe, dtype_rule="VAE weights must be floating point (fp32, fp16 or bf16). Quantised "
-                                           "integer variants are not supported")
+    return ckpt.check(describe, dtype_rule=f"VAE weights must be fp32, fp16 or bf16; {QUANTISED_NOT_SUPPORTED}. "
+                                           "Use minimax_h3_video_vae_fp16 / minimax_h3_audio_vae_fp32 or the "
+                                           "official vae/ and audio_vae/ folders")
 
 
 def stats_from_file(file: SafetensorsFile, prefix: str, channels: int, published):
@@ -115,7 +116,7 @@ def stats_from_file(file: SafetensorsFile, prefix: str, channels: int, published
     if not all(k in file for k in keys):
         return published, set()
     for key in keys:
-        if file.shape(key) != (channels,) or not file.dtype(key).is_floating_point:
+        if file.shape(key) != (channels,) or not full_precision(file.dtype(key)):
             raise CheckpointError(f"{file.path}: '{key}' must be {channels} floats (the latent statistics), got "
                                   f"{str(file.dtype(key)).replace('torch.', '')} {list(file.shape(key))}.",
                                   path=file.path, key=key)

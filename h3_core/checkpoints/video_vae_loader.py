@@ -25,8 +25,9 @@ from ..models.video_vae import (PUBLISHED_LATENTS_MEAN as VIDEO_PUBLISHED_MEAN,
                                 VideoVAEConfig)
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
-from .checkpoint import (Checkpoint, WeightSpec, cat_rows, count_indexed, deinterleave_rows, not_a_checkpoint,
-                         open_folder_files, read_json, resolve_source, shape_reader, swap_halves)
+from .checkpoint import (Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes, count_indexed,
+                         deinterleave_rows, not_a_checkpoint, open_folder_files, read_json, resolve_source,
+                         shape_reader, swap_halves)
 from .vae_common import (check_vae, config_error, count_value, int_list, latent_stats, open_single_file, open_vae,
                          populate, positive_number, require_value, state_shapes, stats_from_file, weights_folder)
 
@@ -129,6 +130,7 @@ def _video_config_from_native(wrapper: dict, wrapper_path: Path, source: dict, s
             raise CheckpointError(f"{source_path}: num_res_blocks {blocks} differs between levels; only one count "
                                   "for every level is supported.", path=source_path, key="num_res_blocks")
         blocks = blocks[0]
+    blocks = positive_number({"num_res_blocks": blocks}, "num_res_blocks", None, source_path)
     vit = source.get("vit_decoder_kwargs") or {}
     if not isinstance(vit, dict):
         raise CheckpointError(f"{source_path}: 'vit_decoder_kwargs' must be an object.", path=source_path,
@@ -198,6 +200,47 @@ def _video_config_from_shapes(path: Path, shape, need, stats) -> VideoVAEConfig:
         raise config_error(path, exc) from None
 
 
+# How each layout's config.json spells the sizes checked against the weights.
+_VIDEO_CONFIG_KEYS = {
+    "diffusers": dict(levels="block_out_channels (their number)", width="block_out_channels[{}]",
+                      blocks="layers_per_block", latent="latent_channels", layers="decoder_num_layers",
+                      dim=("decoder_num_attention_heads", "decoder_attention_head_dim"),
+                      ffn="decoder_ffn_mult", registers="decoder_num_register_tokens"),
+    "native": dict(levels="ch_mult (their number)", width="ch x ch_mult[{}]", blocks="num_res_blocks",
+                   latent="z_channels", layers="vit_decoder_kwargs.num_layers",
+                   dim=("vit_decoder_kwargs.heads", "vit_decoder_kwargs.dim_head"), ffn="decoder feed-forward multiple",
+                   registers="vit_decoder_kwargs.num_register_tokens"),
+}
+
+
+def _check_video_config_against_header(config: VideoVAEConfig, layout: str, config_path: Path,
+                                       sizes: HeaderSizes) -> None:
+    """The sizes the config implies against the tensor shapes, before the module is built (a config asking 10^6
+    decoder blocks would take hours to build)."""
+    names = _VIDEO_CONFIG_KEYS[layout]
+    key = (lambda name: _diffusers_video_key(name)) if layout == "diffusers" else (lambda name: name)
+    down = "encoder.down_blocks." if layout == "diffusers" else "encoder.down."
+    c = config
+    checks = [(names["levels"], len(c.block_out_channels), sizes.count(down, "encoder levels"))]
+    check_config_sizes(config_path, checks)
+    checks = [(names["width"].format(i), width, sizes.dim(key(f"encoder.down.{i}.block.0.conv1.weight"), 0))
+              for i, width in enumerate(c.block_out_channels)]
+    resnets = "encoder.down_blocks.0.resnets." if layout == "diffusers" else "encoder.down.0.block."
+    checks += [
+        (names["blocks"], c.layers_per_block, sizes.count(resnets, "blocks in encoder level 0")),
+        (names["latent"], c.latent_channels, sizes.dim("post_quant_conv.weight", 0)),
+        (names["layers"], c.decoder_num_layers, sizes.count("decoder.transformer_blocks.", "decoder blocks")),
+        (((names["dim"][0], c.decoder_num_heads), (names["dim"][1], c.decoder_head_dim)), c.decoder_dim,
+         sizes.dim(key("decoder.x_embedder.weight"), 0)),
+        (names["registers"], c.decoder_num_register_tokens, sizes.dim("decoder.register_tokens", 1)),
+    ]
+    check_config_sizes(config_path, checks)
+    if c.decoder_num_layers:  # as the multiple of the width the config gives (the width itself is checked above)
+        ffn, where = sizes.dim(key("decoder.transformer_blocks.0.ff.w2.weight"), 1)
+        check_config_sizes(config_path, [(names["ffn"], c.decoder_ffn_dim / c.decoder_dim,
+                                          (ffn / c.decoder_dim, where))])
+
+
 def _find_video_folder(folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
@@ -224,6 +267,8 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
     if raw.get("_class_name") == VIDEO_DIFFUSERS_CLASS:
         config = _video_config_from_diffusers(raw, folder / "config.json")
         files = open_folder_files(folder, "diffusion_pytorch_model")
+        _check_video_config_against_header(config, "diffusers", folder / "config.json", HeaderSizes(
+            folder, files, "H3 video VAE"))
         ckpt = Checkpoint("video_vae", folder, "diffusers", config, files, _video_plan("diffusers", config))
         return check_vae(ckpt, _video_describe(ckpt))
     source_name = raw.get("source_path", "source")
@@ -242,6 +287,8 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
         raise not_a_checkpoint(source_folder, files.keys(), "video_vae", "an H3 video VAE checkpoint")
     shape, _ = shape_reader(source_folder, files, "H3 VAE")
     config = _video_config_from_native(raw, folder / "config.json", source_raw, source_folder / "config.json", shape)
+    _check_video_config_against_header(config, "native", source_folder / "config.json",
+                                       HeaderSizes(source_folder, files, "H3 video VAE"))
     defaults = {}
     for ours, theirs in (("tile_size", "vae_tile_size"), ("tile_min_overlap", "vae_tile_overlap_min")):
         if theirs in raw:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -73,6 +74,8 @@ class H3DiTConfig:
 
     # ---- the two config.json dialects -------------------------------------------------------------------------
 
+    _FLOAT_FIELDS = ("rope_theta", "norm_eps", "qk_norm_eps", "final_norm_eps")
+
     _NATIVE_FIELDS = {
         "num_layers": "num_layers",
         "token_refiner_num_layers": "num_refiner_layers",
@@ -106,7 +109,8 @@ class H3DiTConfig:
         class_name = data.get("_class_name")
         names = {f.name for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
-        if class_name == NATIVE_CLASS_NAME or (class_name is None and "latents_dim" in data):
+        native = class_name == NATIVE_CLASS_NAME or (class_name is None and "latents_dim" in data)
+        if native:
             for key, field in cls._NATIVE_FIELDS.items():
                 if key in data:
                     values[field] = data[key]
@@ -114,6 +118,9 @@ class H3DiTConfig:
             for key in names:
                 if key in data:
                     values[key] = data[key]
+        names_in_file = {field: key for key, field in cls._NATIVE_FIELDS.items()} if native else {}
+        for field, value in values.items():
+            cls._check_type(field, value, names_in_file.get(field, field), source)
         try:
             config = cls(**values)
         except (TypeError, ValueError) as exc:
@@ -123,13 +130,40 @@ class H3DiTConfig:
             "final_adaln_out_features": 2 * config.hidden_size,
         }
         for key, expected in derived.items():
-            if key in data and int(data[key]) != expected:
+            if key in data and (isinstance(data[key], bool) or data[key] != expected):
                 raise CheckpointError(
                     f"{source}: {key} is {data[key]} but hidden_size {config.hidden_size} implies {expected}.",
                     path=source,
                     key=key,
                 )
         return config
+
+    @staticmethod
+    def _check_type(field: str, value, key: str, source) -> None:
+        """JSON types of one field (`key` as the file spells it): counts and widths are integers (not true, 2.0 or
+        "2"), epsilons and theta finite positive numbers, patch_size three positive integers."""
+        def is_int(v, minimum=1):
+            return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+        if field == "patch_size":
+            ok, want = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_int(v) for v in value), \
+                "a list of three positive integers (t, h, w)"
+        elif field in H3DiTConfig._FLOAT_FIELDS:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+            want = "a positive number"
+        elif field == "num_refiner_layers":
+            ok, want = is_int(value, 0), "an integer >= 0"
+        else:
+            ok, want = is_int(value), "a positive integer"
+        if not ok:
+            raise CheckpointError(f"{source}: '{key}' must be {want}, got {value!r}. Restore the config.json of the "
+                                  "release.", path=source, key=key)
+
+    def config_key(self, field: str, layout: str) -> str:
+        """How `layout`'s config.json spells `field` (the native release renames most of them)."""
+        if layout == "native":
+            return next((key for key, name in self._NATIVE_FIELDS.items() if name == field), field)
+        return field
 
     def to_native_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"_class_name": NATIVE_CLASS_NAME}

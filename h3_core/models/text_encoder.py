@@ -26,7 +26,8 @@ from ..runtime.chunking import FUSED, RowChunks
 from ..errors import H3Error
 from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.residency import AllResident
-from .vision_tower import ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, prepare_image
+from .vision_tower import (ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, config_number,
+                           prepare_image)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -79,18 +80,22 @@ class LanguageModelConfig:
         if rope_type not in ("default", "mrope"):
             raise H3Error(f"text_config rope_type {rope_type!r} (RoPE scaling) is not supported; H3's encoder uses "
                           "plain interleaved mRoPE.")
-        heads = int(raw["num_attention_heads"])
+        number = lambda key, default=None, **kw: config_number(raw, key, default, "text_config", **kw)  # noqa: E731
+        heads = number("num_attention_heads")
+        section = rope.get("mrope_section", (24, 20, 20))
+        if not isinstance(section, (list, tuple)) or not all(type(v) is int and v > 0 for v in section):
+            raise H3Error(f"text_config mrope_section must be a list of positive integers, got {section!r}.")
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=number("vocab_size"),
+            hidden_size=number("hidden_size"),
+            intermediate_size=number("intermediate_size"),
+            num_hidden_layers=number("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or 128),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 500_000.0))),
-            mrope_section=tuple(rope.get("mrope_section", (24, 20, 20))),
+            num_key_value_heads=number("num_key_value_heads", heads) if raw.get("num_key_value_heads") else heads,
+            head_dim=number("head_dim", 128) if raw.get("head_dim") else 128,
+            rms_norm_eps=number("rms_norm_eps", 1e-6, real=True),
+            rope_theta=config_number(rope, "rope_theta", raw.get("rope_theta", 500_000.0), "text_config", real=True),
+            mrope_section=tuple(section),
             attention_bias=bool(raw.get("attention_bias", False)),
         )
 

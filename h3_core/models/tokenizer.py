@@ -13,6 +13,7 @@ video tag); label and prompt tokens carry tag 1 (text).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,11 +76,18 @@ class H3Tokenizer:
         from tokenizers import Tokenizer  # a declared dependency; imported here so h3_core imports without it
 
         self.path = find_tokenizer_file(path)
+        text, kind = self._read_json()
         try:
-            self._tokenizer = Tokenizer.from_file(str(self.path))
+            self._tokenizer = Tokenizer.from_str(text)
         except Exception as exc:  # tokenizers raises its own Exception type for a malformed file
             raise CheckpointError(f"{self.path}: cannot be read as a tokenizer.json ({exc}). Download it again.",
                                   path=self.path) from None
+        if kind != "BPE":
+            # H3's is Qwen's byte-level BPE; another model (WordLevel, Unigram, ...) loads, then fails or splits
+            # differently at the first prompt.
+            raise CheckpointError(
+                f"{self.path}: a {kind} tokenizer, not H3's byte-level BPE; the file belongs to another model. Use "
+                "tokenizer/tokenizer.json from the MiniMax-H3 release.", path=self.path, key="model.type")
         for offset, token in enumerate(H3_EXTRA_TOKENS):
             found = self._tokenizer.token_to_id(token)
             if found != H3_EXTRA_FIRST_ID + offset:
@@ -96,6 +104,17 @@ class H3Tokenizer:
         self.vision_end_id = self._require(VISION_END_TOKEN)
         self.image_pad_id = self._require(IMAGE_PAD_TOKEN)
 
+    def _read_json(self) -> tuple[str, object]:
+        """The file's text and its tokenizer model type (`model.type`), or one error if it is not JSON."""
+        try:
+            text = self.path.read_text(encoding="utf-8")
+            data = json.loads(text)
+        except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"{self.path}: not a tokenizer.json: it is not readable JSON ({exc}). Use "
+                                  "tokenizer/tokenizer.json from the MiniMax-H3 release.", path=self.path) from None
+        model = data.get("model") if isinstance(data, dict) else None
+        return text, model.get("type") if isinstance(model, dict) else None
+
     def _require(self, token: str) -> int:
         found = self._tokenizer.token_to_id(token)
         if found is None:
@@ -111,7 +130,18 @@ class H3Tokenizer:
         """Token ids of `text` exactly as given: no template, no special tokens added, no truncation."""
         if not isinstance(text, str):
             raise H3Error(f"a prompt must be a string, got {type(text).__name__}.")
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise H3Error(f"the prompt is not valid Unicode text: character {exc.start} is a lone surrogate "
+                          f"({text[exc.start]!r}), as left by decoding bytes that are not UTF-8. Give the prompt as "
+                          "UTF-8 text.") from None
+        try:
+            return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        except Exception as exc:  # tokenizers raises its own Exception type
+            raise CheckpointError(f"{self.path}: the tokenizer failed on the prompt ({exc}); the file is not a working "
+                                  "H3 tokenizer. Use tokenizer/tokenizer.json from the MiniMax-H3 release.",
+                                  path=self.path) from None
 
     def present(self, prompt: str, image_token_counts: Sequence[int] = ()) -> Presentation:
         """Keyframes first (`"<Picture i>: "` + vision block each), then the prompt verbatim."""

@@ -28,6 +28,20 @@ from ..errors import H3Error
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
 
+
+def config_number(raw: Mapping[str, Any], key: str, default, where: str, *, real: bool = False):
+    """`raw[key]` (else `default`) as a positive integer (or, `real`, a finite positive number): JSON true, 2.0 for a
+    count and "2" are refused with one H3Error naming `where.key`."""
+    value = raw.get(key, default)
+    if real:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    if not ok:
+        raise H3Error(f"{where}.{key} must be a positive {'number' if real else 'integer'}, got {value!r}.")
+    return float(value) if real else value
+
+
 _ACTIVATIONS = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
 
 
@@ -62,8 +76,8 @@ class VisionTowerConfig:
             raise H3Error(f"vision config: num_position_embeddings {self.num_position_embeddings} is not a square.")
         indexes = self.deepstack_visual_indexes
         if any(not 0 <= i < self.depth for i in indexes) or len(set(indexes)) != len(indexes):
-            raise H3Error(f"vision config: deepstack_visual_indexes {list(indexes)} must be distinct block indices "
-                          f"below depth {self.depth}.")
+            raise H3Error(f"vision config: deepstack_visual_indexes {str(list(indexes))[:80]} must be distinct block "
+                          f"indices below depth {self.depth}.")
         if self.hidden_act not in _ACTIVATIONS:
             raise H3Error(f"vision config: hidden_act {self.hidden_act!r} is not supported "
                           f"({', '.join(_ACTIVATIONS)}).")
@@ -87,19 +101,23 @@ class VisionTowerConfig:
             if name not in raw:
                 raise H3Error(f"vision_config has no '{name}'.")
         rope = raw.get("rope_parameters") or {}
+        number = lambda key, default=None, **kw: config_number(raw, key, default, "vision_config", **kw)  # noqa: E731
+        indexes = raw.get("deepstack_visual_indexes", (8, 16, 24))
+        if not isinstance(indexes, (list, tuple)) or not all(type(i) is int and i >= 0 for i in indexes):
+            raise H3Error(f"vision_config.deepstack_visual_indexes must be a list of block indices, got {indexes!r}.")
         return cls(
-            depth=int(raw["depth"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_heads=int(raw["num_heads"]),
-            in_channels=int(raw.get("in_channels", 3)),
-            patch_size=int(raw.get("patch_size", 16)),
-            temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
-            spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
-            out_hidden_size=int(raw["out_hidden_size"]),
-            num_position_embeddings=int(raw.get("num_position_embeddings", 2304)),
-            deepstack_visual_indexes=tuple(raw.get("deepstack_visual_indexes", (8, 16, 24))),
-            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            depth=number("depth"),
+            hidden_size=number("hidden_size"),
+            intermediate_size=number("intermediate_size"),
+            num_heads=number("num_heads"),
+            in_channels=number("in_channels", 3),
+            patch_size=number("patch_size", 16),
+            temporal_patch_size=number("temporal_patch_size", 2),
+            spatial_merge_size=number("spatial_merge_size", 2),
+            out_hidden_size=number("out_hidden_size"),
+            num_position_embeddings=number("num_position_embeddings", 2304),
+            deepstack_visual_indexes=tuple(indexes),
+            rope_theta=config_number(rope, "rope_theta", 10000.0, "vision_config", real=True),
             hidden_act=str(raw.get("hidden_act", "gelu_pytorch_tanh")),
         )
 

@@ -35,7 +35,7 @@ from .planning import PHASES
 from .request_checks import check_canvas_limit, check_prompt, check_seed, check_shift, check_steps
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)
-from .sources import ModelSources, safetensors_files
+from .sources import ModelSources, check_components_match, safetensors_files
 
 MAX_PROMPT_TOKENS = 4096
 
@@ -145,6 +145,8 @@ class H3Pipeline:
         unknown = set(self.component_options) - set(self.COMPONENTS)
         if unknown:
             raise H3Error(f"unknown component(s) {sorted(unknown)} in component_options; use {self.COMPONENTS}.")
+        # From the headers, before anything loads: four components that do not belong together fail here.
+        check_components_match(sources, self.component_options.get("text_encoder", {}).get("config"))
         self.keep_text_encoder = keep_text_encoder
         self.keep_transformer = keep_transformer
         self.keep_video_vae = keep_video_vae

@@ -130,3 +130,33 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
 def safetensors_files(source: Path) -> list[Path]:
     source = Path(source)
     return [source] if source.is_file() else sorted(source.rglob("*.safetensors"))
+
+
+def check_components_match(sources: ModelSources, text_encoder_config=None) -> None:
+    """The four components belong to one H3 model: the widths where they meet agree, read from their headers and
+    configs (no weight is read). A mismatch is one `CheckpointError` naming both files and the two numbers, here
+    instead of at the first forward (a text encoder of the wrong width) or after all the sampling (a VAE with the
+    wrong latent channels). `text_encoder_config` is the text encoder's `config=` option, if any."""
+    from ..checkpoints.audio_vae_loader import resolve_audio_vae_checkpoint
+    from ..checkpoints.dit_loader import resolve_dit_checkpoint
+    from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
+    from ..checkpoints.video_vae_loader import resolve_video_vae_checkpoint
+
+    transformer = resolve_dit_checkpoint(sources.transformer)
+    text_encoder = resolve_text_encoder_checkpoint(sources.text_encoder, sources.text_encoder_layer,
+                                                   text_encoder_config)
+    video_vae = resolve_video_vae_checkpoint(sources.video_vae)
+    audio_vae = resolve_audio_vae_checkpoint(sources.audio_vae)
+    dit = transformer.config
+    for other, what, theirs, ours, meaning in (
+            (text_encoder, "text encoder", text_encoder.config.language.hidden_size, dit.text_dim,
+             "text features of width"),
+            (video_vae, "video VAE", video_vae.config.latent_channels, dit.in_channels, "video latents of"),
+            (audio_vae, "audio VAE", audio_vae.config.latent_channels, dit.audio_in_channels, "audio latents of")):
+        if theirs != ours:
+            gives = "produces text features of width" if what == "text encoder" else "has latents of"
+            unit = "" if what == "text encoder" else " channels"
+            raise CheckpointError(
+                f"the transformer ({transformer.source}) takes {meaning} {ours}{unit} but the {what} "
+                f"({other.source}) {gives} {theirs}{unit}: they are not parts of the same H3 model. Use the {what} "
+                "released with this transformer.", path=other.source)

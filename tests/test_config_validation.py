@@ -1,0 +1,189 @@
+"""Every config.json field a loader uses is validated before anything is built: a string, float, bool, negative,
+zero or absurd (10^6, 10^9) layer count or width gives one CheckpointError naming the config file, the key and its
+value (and, for a size, what the weights hold), found from the headers without building the module. The absurd
+counts used to hang (the loader built 10^9 blocks to learn the expected tensors): those run in a subprocess with a
+timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import h3_core
+from h3_core.errors import CheckpointError
+from h3_core.pipeline.tiny_default import TEXT_ENCODER_LAYER
+from h3_fixtures import TINY, reference_model, save_diffusers, save_native
+from vae_fixtures import reference_audio, reference_video, save_audio_diffusers, save_video_diffusers, \
+    save_video_native
+
+BAD_VALUES = ["2", 2.0, True, -1, 0, 10 ** 6, 10 ** 9]
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_cache):
+    from h3_core.pipeline.tiny_default import ensure_tiny_model
+
+    root = tmp_path_factory.mktemp("configs")
+    dit = reference_model(TINY, seed=3)
+    return {
+        "dit-native": save_native(dit, TINY, root / "dit-native"),
+        "dit-diffusers": save_diffusers(dit, root / "dit-diffusers"),
+        "text-encoder": ensure_tiny_model(tiny_cache) / "text_encoders" / "qwen3vl_tiny_minimax_h3",
+        "video-diffusers": save_video_diffusers(reference_video(seed=3), root / "video-diffusers"),
+        "video-native": save_video_native(reference_video(seed=3), root / "video-native"),
+        "audio-diffusers": save_audio_diffusers(reference_audio(seed=3), root / "audio-diffusers"),
+    }
+
+
+LOADERS = {
+    "dit-native": h3_core.load_dit,
+    "dit-diffusers": h3_core.load_dit,
+    "text-encoder": lambda source: h3_core.load_text_encoder(source, layer=TEXT_ENCODER_LAYER),
+    "video-diffusers": h3_core.load_video_vae,
+    "video-native": h3_core.load_video_vae,
+    "audio-diffusers": h3_core.load_audio_vae,
+}
+CONFIG_FILE = {"video-native": "source/config.json"}
+
+# (checkpoint, config key as a path into the JSON, what the message calls it)
+FIELDS = [
+    ("dit-native", "num_layers", "num_layers"),
+    ("dit-native", "token_refiner_num_layers", "token_refiner_num_layers"),
+    ("dit-native", "hidden_size", "hidden_size"),
+    ("dit-native", "ffn_hidden_size", "ffn_hidden_size"),
+    ("dit-native", "attention_head_dim", "attention_head_dim"),
+    ("dit-native", "latents_dim", "latents_dim"),
+    ("dit-diffusers", "num_layers", "num_layers"),
+    ("dit-diffusers", "num_refiner_layers", "num_refiner_layers"),
+    ("dit-diffusers", "num_attention_heads", "num_attention_heads"),
+    ("dit-diffusers", "text_dim", "text_dim"),
+    ("text-encoder", "text_config.hidden_size", "hidden_size"),
+    ("text-encoder", "text_config.num_attention_heads", "text_config.num_attention_heads"),
+    ("text-encoder", "text_config.intermediate_size", "text_config.intermediate_size"),
+    ("text-encoder", "vision_config.depth", "vision_config.depth"),
+    ("text-encoder", "vision_config.hidden_size", "vision_config.hidden_size"),
+    ("text-encoder", "vision_config.spatial_merge_size", "vision_config.spatial_merge_size"),
+    ("video-diffusers", "decoder_num_layers", "decoder_num_layers"),
+    ("video-diffusers", "layers_per_block", "layers_per_block"),
+    ("video-diffusers", "decoder_num_register_tokens", "decoder_num_register_tokens"),
+    ("video-native", "vit_decoder_kwargs.num_layers", "num_layers"),
+    ("video-native", "num_res_blocks", "num_res_blocks"),
+    ("audio-diffusers", "encoder_dim", "encoder_dim"),
+    ("audio-diffusers", "decoder_dim", "decoder_dim"),
+    ("audio-diffusers", "latent_dim", "latent_dim"),
+]
+# Lists whose length is a count (10^5 dilations per residual block used to hang building them).
+LONG_LISTS = [
+    ("audio-diffusers", "resblock_dilation_sizes", [[1] * 100_000] * 3,
+     "'resblock_dilation_sizes[0] (their number)' is 100000 but the weights hold 3"),
+]
+
+
+def _edit_config(folder: Path, relative: str, dotted: str, value) -> Path:
+    path = folder / relative
+    config = json.loads(path.read_text())
+    node = config
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        node = node[name]
+    node[leaf] = value
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _copy(checkpoints, name, tmp_path) -> Path:
+    return shutil.copytree(checkpoints[name], tmp_path / name)
+
+
+COUNTS = ("num_layers", "token_refiner_num_layers", "num_refiner_layers", "vision_config.depth", "decoder_num_layers",
+          "layers_per_block", "vit_decoder_kwargs.num_layers", "num_res_blocks")
+ABSURD = (10 ** 6, 10 ** 9)
+# An absurd layer count used to hang: those cases run in a subprocess with a timeout (below), never in this process.
+CASES = [(c, k, n, v) for c, k, n in FIELDS for v in BAD_VALUES if not (k in COUNTS and v in ABSURD)]
+
+
+@pytest.mark.parametrize("checkpoint,key,named,value", CASES, ids=[f"{c}-{k}-{v!r}" for c, k, _, v in CASES])
+def test_bad_config_value_gives_one_message(checkpoints, tmp_path, checkpoint, key, named, value):
+    folder = _copy(checkpoints, checkpoint, tmp_path)
+    config_path = _edit_config(folder, CONFIG_FILE.get(checkpoint, "config.json"), key, value)
+    with pytest.raises(CheckpointError) as info:
+        LOADERS[checkpoint](folder)
+    message = str(info.value)
+    assert message.startswith(f"{config_path}: "), message
+    assert named in message and repr(value) in message, message
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        # A well-typed size that the weights (or another field of the config) contradict: the message says what.
+        assert " but the weights hold " in message and "The config and the weights do not match" in message \
+            or " implies " in message or "does not describe a valid H3 VAE" in message \
+            or " differs from the language model's hidden_size " in message, message
+    else:
+        assert " must be a positive " in message or " must be an integer >= 0" in message \
+            or " but the weights hold " in message, message
+
+
+def test_dit_mismatch_message_in_full(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "dit-native", tmp_path)
+    config_path = _edit_config(folder, "config.json", "num_layers", 5)
+    with pytest.raises(CheckpointError) as info:
+        h3_core.load_dit(folder)
+    assert str(info.value) == (
+        f"{config_path}: 'num_layers' is 5 but the weights hold 2: 2 transformer blocks ('blocks.0.' to 'blocks.1.'). "
+        "The config and the weights do not match; restore the config.json that came with these weights.")
+    assert info.value.key == "num_layers" and info.value.path == config_path
+
+
+def test_dit_type_message_in_full(checkpoints, tmp_path):
+    folder = _copy(checkpoints, "dit-native", tmp_path)
+    config_path = _edit_config(folder, "config.json", "ffn_hidden_size", "96")
+    with pytest.raises(CheckpointError) as info:
+        h3_core.load_dit(folder)
+    assert str(info.value) == (f"{config_path}: 'ffn_hidden_size' must be a positive integer, got '96'. Restore the "
+                               "config.json of the release.")
+
+
+LOAD_IN_SUBPROCESS = {"dit": "h3_core.load_dit(source)", "tex": "h3_core.load_text_encoder(source, layer=2)",
+                      "vid": "h3_core.load_video_vae(source)", "aud": "h3_core.load_audio_vae(source)"}
+
+
+@pytest.mark.parametrize("checkpoint", sorted({c for c, k, _ in FIELDS if k in COUNTS} | {c for c, *_ in LONG_LISTS}))
+def test_absurd_counts_are_refused_without_building_them(checkpoints, tmp_path, checkpoint):
+    """Every absurd count of `checkpoint`'s config, each in its own copy, loaded in one subprocess that must finish
+    within 60 s with one CheckpointError per case (it used to build the 10^9 blocks)."""
+    cases = []
+    for c, key, named in FIELDS:
+        if c != checkpoint or key not in COUNTS:
+            continue
+        for value in ABSURD:
+            folder = shutil.copytree(checkpoints[checkpoint], tmp_path / f"{key}-{value}")
+            config_path = _edit_config(folder, CONFIG_FILE.get(checkpoint, "config.json"), key, value)
+            cases.append((str(folder), f"{config_path}: '{key}' is {value} but the weights hold "))
+    for c, key, value, expected in LONG_LISTS:
+        if c == checkpoint:
+            folder = shutil.copytree(checkpoints[checkpoint], tmp_path / key)
+            cases.append((str(folder), f"{_edit_config(folder, 'config.json', key, value)}: {expected}"))
+    script = textwrap.dedent(f"""
+        import json, sys, h3_core
+        from h3_core.errors import CheckpointError
+        for source in {[folder for folder, _ in cases]!r}:
+            try:
+                {LOAD_IN_SUBPROCESS[checkpoint[:3]]}
+                print(json.dumps("loaded"), flush=True)
+            except CheckpointError as exc:
+                print(json.dumps(str(exc)), flush=True)
+    """)
+    root = str(Path(h3_core.__file__).parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    messages = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(messages) == len(cases)
+    for message, (_, expected) in zip(messages, cases):
+        assert message.startswith(expected), message
