@@ -24,6 +24,19 @@ def torch_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+def device_error(choice: str) -> str | None:
+    """Why the loader's `device` choice cannot run here (a combo value ComfyUI does not check for the loader, which
+    validates it itself), in the widget's words; None when it can. `auto` is ComfyUI's own device."""
+    from h3_core.runtime.platform import device_problem
+
+    if choice not in DEVICES:
+        return f"device {choice!r} is not one of {list(DEVICES)}."
+    if choice == "auto":
+        return None
+    problem = device_problem(choice)
+    return f"device {choice!r}: {problem}; choose auto or cpu." if problem else None
+
+
 def files_bytes(path) -> int:
     """Bytes of the safetensors files of one component (a single file or a folder)."""
     path = Path(path)
@@ -69,20 +82,28 @@ def _prompt_server():
     return getattr(PromptServer, "instance", None)
 
 
+def _client_of_the_prompt(instance):
+    """The websocket client that queued the running prompt, as ComfyUI addresses its own execution messages; None
+    when nobody is to be told (no server, or an API prompt queued without a client_id): never every tab."""
+    return getattr(instance, "client_id", None) if instance is not None else None
+
+
 def send_memory_report(node_id, report: dict, summary: str) -> None:
     """Feed the web extension's memory badge (`MEMORY_EVENT`) and the node's progress text. Headless runs have no
     listener; the summary is logged either way."""
     log.info("h3-stream node %s: %s", node_id, summary)
     instance = _prompt_server()
-    if instance is not None:
-        instance.send_sync(MEMORY_EVENT, {"node": str(node_id), **report})
+    client = _client_of_the_prompt(instance)
+    if client is not None:
+        instance.send_sync(MEMORY_EVENT, {"node": str(node_id), **report}, client)
         if node_id is not None:
-            instance.send_progress_text(summary, node_id)
+            instance.send_progress_text(summary, node_id, client)
 
 
 def send_progress_text(node_id, text: str) -> None:
     """The text shown under a node (every frontend renderer shows it); logged for headless runs."""
     log.info("h3-stream node %s: %s", node_id, text)
     instance = _prompt_server()
-    if instance is not None and node_id is not None:
-        instance.send_progress_text(text, node_id)
+    client = _client_of_the_prompt(instance)
+    if client is not None and node_id is not None:
+        instance.send_progress_text(text, node_id, client)

@@ -31,17 +31,12 @@ class H3StreamLoader(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, transformer_residency, text_encoder_residency, video_vae_residency, audio_vae_residency,
-                        device) -> bool | str:
-        values = (transformer_residency, text_encoder_residency, video_vae_residency, audio_vae_residency, device)
-        if any(value is None for value in values):
+    def validate_inputs(cls, device) -> bool | str:
+        # Only the device is taken here: ComfyUI then checks every other combo itself (one error, on that input),
+        # and the residencies' admission, which needs all of them, is checked when the node runs.
+        if device is None:
             return True  # linked: checked again when the node runs
-        if device not in comfy_runtime.DEVICES:
-            return f"device {device!r} is not one of {list(comfy_runtime.DEVICES)}."
-        settings = MemorySettings.build(transformer=transformer_residency, text_encoder=text_encoder_residency,
-                                        video_vae=video_vae_residency, audio_vae=audio_vae_residency,
-                                        device=str(comfy_runtime.torch_device(device)))
-        return settings.admission_error() or True
+        return comfy_runtime.device_error(device) or True
 
     @classmethod
     def fingerprint_inputs(cls, source=None, h3_folder=model_sources.NONE, diffusion_model=model_sources.NONE,
@@ -56,15 +51,21 @@ class H3StreamLoader(io.ComfyNode):
                 h3_folder=model_sources.NONE, diffusion_model=model_sources.NONE, text_encoder=model_sources.NONE,
                 video_vae=model_sources.NONE, audio_vae=model_sources.NONE, repo_id=model_sources.DEFAULT_REPO_ID,
                 mps_reclaim_every=0) -> io.NodeOutput:
+        from h3_core.errors import H3Error
         from h3_core.pipeline import H3Pipeline
 
+        problem = comfy_runtime.device_error(device)
+        if problem:
+            raise H3Error(problem)
         torch_device = comfy_runtime.torch_device(device)
         settings = MemorySettings.build(
             transformer=transformer_residency, text_encoder=text_encoder_residency, video_vae=video_vae_residency,
             audio_vae=audio_vae_residency, prefetch=prefetch, resident_blocks=resident_blocks, chunk_size=chunk_size,
             memory_budget_mib=memory_budget_mib, dtype=dtype, device=str(torch_device),
             mps_reclaim_every=mps_reclaim_every)
-        settings.check_admission()  # linked values too
+        refused = settings.admission_error()
+        if refused:
+            raise H3Error(refused)
         sources = model_sources.resolve_sources(source, partition, h3_folder=h3_folder,
                                                 diffusion_model=diffusion_model, text_encoder=text_encoder,
                                                 video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id,

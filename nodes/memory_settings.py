@@ -102,21 +102,20 @@ class MemorySettings:
 
         return {name: ComponentPlan(_CORE_RESIDENCY.get(value, value), self.device) for name, value in self.residency}
 
-    def check_admission(self) -> None:
-        """h3_core's admission rules for the device (on MPS every component streams); raises AdmissionError."""
-        from h3_core.runtime.admission import Platform, check_admission
-
-        check_admission(self.admission_plan(), Platform.for_device(self.device))
-
     def admission_error(self) -> str | None:
-        """The admission verdict as a validation message (h3_core's rules and wording), None when admitted."""
-        from h3_core.runtime.admission import AdmissionError
+        """The admission verdict in the loader's own words (its widget names and values), None when admitted."""
+        from h3_core.runtime.admission import Platform, admission_violations
 
-        try:
-            self.check_admission()
-        except AdmissionError as error:
-            return str(error)
-        return None
+        violations = admission_violations(self.admission_plan(), Platform.for_device(self.device))
+        if not violations:
+            return None
+        platform = Platform.for_device(self.device).device_type.upper()
+        resident = [name for name, _, _ in violations if self.residency_of(name) == RESIDENT]
+        lines = [f"set {name}_residency to {LAYERWISE_OFFLOAD} (it is {RESIDENT})" for name in resident]
+        lines += [f"{name}: {problem}" for name, problem, _ in violations if name not in resident]
+        why = (" (on unified memory a resident component is a second copy of weights already mapped from disk)"
+               if resident else "")
+        return f"{platform} runs need every component to stream{why}: " + "; ".join(lines) + "."
 
     def describe(self) -> str:
         placed = ", ".join(f"{name} {value.lower()}" for name, value in self.residency)

@@ -10,6 +10,8 @@ from h3_core.pipeline.request_checks import MAX_CANVAS, MAX_FRAMES, MAX_SECONDS
 
 # The smallest sigma shift a widget takes: the schedule needs a shift above 0.
 MIN_SHIFT = 0.1
+# The shortest duration the widget takes (any duration above 0 snaps up to the 5-frame minimum); ComfyUI checks it.
+MIN_SECONDS = 0.1
 # Rows per chunk: chunks exist to bound a pass's temporaries, and 64k rows is more than a 15 s 768p sequence (~50k).
 MAX_CHUNK_SIZE = 1 << 16
 CANVAS_TOOLTIP = ("Canvas {what} in pixels (multiple of 32). Keyframes are fitted to it before the vision encoder "
@@ -26,7 +28,7 @@ def canvas_inputs() -> list:
 def sampler_inputs() -> list:
     """The sampler's widgets after the canvas."""
     return [
-        io.Float.Input("seconds", default=5.0, min=0.0, max=MAX_SECONDS, step=0.1,
+        io.Float.Input("seconds", default=5.0, min=MIN_SECONDS, max=MAX_SECONDS, step=0.1,
                        tooltip="Duration; the frame count is round(seconds x 24) snapped up to the 17n + 5 "
                                "grid (5 s -> 124 frames)."),
         io.Int.Input("frames", default=0, min=0, max=MAX_FRAMES, step=1,

@@ -30,9 +30,11 @@ class H3StreamSampler(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, seconds, frames) -> bool | str:
-        # The shifts are not taken here, so that ComfyUI keeps checking their widget minimum (MIN_SHIFT) itself.
-        return canvas_error(width, height) or frame_count_error(seconds, frames) or True
+    def validate_inputs(cls, frames) -> bool | str:
+        # ComfyUI reports a failed check here under every input this takes, and skips its own range checks for them:
+        # only the frame grid (no widget limit can say it) is checked here, so a mistake is one error, on its input.
+        # The canvas is H3 Text Encode's to validate (both nodes take it); this node checks it again when it runs.
+        return frame_count_error(None, frames) or True
 
     @classmethod
     def execute(cls, h3_model, h3_cond, width, height, seconds, frames, steps, seed, video_shift, audio_shift,

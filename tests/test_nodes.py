@@ -155,38 +155,51 @@ def test_memory_settings_become_h3_core_loader_options(pack):
     assert resident.component_options() == {} and resident.keep_text_encoder  # loaders' defaults: nothing passed
 
 
-def test_loader_refuses_resident_components_on_mps_before_anything_runs(pack):
-    from h3_core.runtime import AdmissionError
+def test_loader_refuses_resident_components_on_mps_in_the_widgets_words(pack):
+    """On MPS every component must stream: refused when the loader runs (before anything loads), naming each
+    RESIDENT widget and the value to choose, in the loader's own vocabulary."""
+    from h3_core.errors import H3Error
 
     loader = pack["H3StreamLoader"]
-    verdict = loader.validate_inputs("LAYERWISE_OFFLOAD", "RESIDENT", "RESIDENT", "LAYERWISE_OFFLOAD", "mps")
-    assert isinstance(verdict, str) and "MPS admission refused" in verdict
-    assert "text_encoder" in verdict and "video_vae" in verdict and "residency='layerwise'" in verdict
-    assert loader.validate_inputs(*["LAYERWISE_OFFLOAD"] * 4, "mps") is True
-    assert loader.validate_inputs("RESIDENT", "RESIDENT", "RESIDENT", "RESIDENT", "cpu") is True
-    assert "device 'tpu'" in loader.validate_inputs(*["RESIDENT"] * 4, "tpu")
-    assert loader.validate_inputs(None, "RESIDENT", "RESIDENT", "RESIDENT", "mps") is True  # linked: checked later
-    # "auto" follows ComfyUI's device; on MPS the same rules apply, and execute() refuses too (linked values).
+    assert loader.validate_inputs("cpu") is True and loader.validate_inputs("auto") is True
+    assert loader.validate_inputs(None) is True  # linked: checked when the node runs
+    assert loader.validate_inputs("tpu") == "device 'tpu' is not one of ['auto', 'cpu', 'cuda', 'mps']."
     import comfy.model_management
 
-    comfy.model_management.state.device = torch.device("mps")
-    assert "MPS admission refused" in loader.validate_inputs(*["RESIDENT"] * 4, "auto")
-    with pytest.raises(AdmissionError, match="transformer"):
-        load(pack, device="auto", transformer_residency="RESIDENT")
+    comfy.model_management.state.device = torch.device("mps")  # "auto" follows ComfyUI's device
+    with pytest.raises(H3Error) as refused:
+        load(pack, device="auto", transformer_residency="RESIDENT", video_vae_residency="RESIDENT")
+    message = str(refused.value)
+    assert message.startswith("MPS runs need every component to stream")
+    assert "set transformer_residency to LAYERWISE_OFFLOAD (it is RESIDENT)" in message
+    assert "set video_vae_residency to LAYERWISE_OFFLOAD" in message and "text_encoder_residency" not in message
+    assert "residency='layerwise'" not in message  # h3_core's spelling never reaches the user
 
 
-def test_prompt_validation_marks_the_loader_red_on_mps(pack):
+def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
+    """What ComfyUI does with an API prompt: a residency that is not a widget value, a device the machine lacks,
+    seconds 0: one error each, on that input."""
     from comfy_double.core_nodes import CORE_NODES
     from comfy_double.executor import PromptError, PromptExecutor
 
-    prompt = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
-    prompt["1"]["inputs"]["device"] = "mps"
     executor = PromptExecutor({**pack, **CORE_NODES})
-    executor.validate(prompt)  # the examples stream every component: admitted on MPS
-    prompt["1"]["inputs"]["video_vae_residency"] = "RESIDENT"
-    with pytest.raises(PromptError, match="MPS admission refused 1 setting") as caught:
-        executor.validate(prompt)
-    assert [node for node, _ in caught.value.errors] == ["1"] and "video_vae" in str(caught.value)
+    base = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    executor.validate(json.loads(json.dumps(base)))  # the example itself is valid
+    sampler = next(k for k, v in base.items() if v["class_type"] == "H3StreamSampler")
+    cases = [("1", "video_vae_residency", "layerwise", "video_vae_residency: 'layerwise' not in"),
+             ("1", "transformer_residency", "GPU", "transformer_residency: 'GPU' not in"),
+             ("1", "device", "cuda", "device - custom validation failed: device 'cuda': this PyTorch build has no "
+                                     "CUDA support"),
+             (sampler, "seconds", 0.0, "seconds: 0.0 is smaller than min 0.1"),
+             (sampler, "frames", 40, "frames - custom validation failed: frames must be on the 17n + 5 grid")]
+    for node, name, value, expected in cases:
+        prompt = json.loads(json.dumps(base))
+        prompt[node]["inputs"][name] = value
+        with pytest.raises(PromptError) as caught:
+            executor.validate(prompt)
+        assert len(caught.value.errors) == 1, (name, caught.value.errors)
+        (where, message), = caught.value.errors
+        assert where == node and message.startswith(expected), (name, message)
 
 
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
@@ -246,6 +259,24 @@ def test_tiny_model_has_no_ref2va_partition(pack):
 
 
 # ---- the generation nodes on the tiny model ------------------------------------------------------------------------
+
+
+def test_telemetry_goes_only_to_the_client_that_queued_the_prompt(pack, recorders):
+    """The badge and the progress text are addressed to the running prompt's client (ComfyUI's `client_id`), as
+    core's own execution messages are: another tab never sees them, and an API prompt queued without a client id
+    sends nothing (the log still has the summary)."""
+    import server
+
+    server.PromptServer.instance.client_id = "tab-a"
+    handle = load(pack)
+    encode(pack, handle)
+    sent = recorders["messages"]
+    assert {event for event, _, _ in sent} == {"h3_stream.memory", "progress_text"}
+    assert {sid for _, _, sid in sent} == {"tab-a"}
+    sent.clear()
+    server.PromptServer.instance.client_id = None
+    encode(pack, handle)
+    assert sent == []
 
 
 def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
@@ -439,13 +470,19 @@ def test_fl2va_keyframes_must_match_the_sampler_canvas(pack):
 
 def test_sampler_and_text_encode_validation_messages(pack):
     sampler, encoder = pack["H3StreamSampler"], pack["H3StreamTextEncode"]
-    assert sampler.validate_inputs(96, 64, 1.0, 0) is True
-    assert sampler.validate_inputs(96, 64, 1.0, 39) is True
-    off_grid = sampler.validate_inputs(96, 64, 1.0, 40)
+    assert sampler.validate_inputs(0) is True
+    assert sampler.validate_inputs(39) is True
+    off_grid = sampler.validate_inputs(40)
     assert "17n + 5" in off_grid and "use 56" in off_grid
-    assert "width must be a positive multiple of 32" in sampler.validate_inputs(100, 64, 1.0, 0)
-    assert "seconds must be above 0" in sampler.validate_inputs(96, 64, 0.0, 0)
-    assert sampler.validate_inputs(None, None, None, None) is True  # linked values are checked when it runs
+    assert "width must be a positive multiple of 32" in encoder.validate_inputs(100, 64)
+    assert sampler.validate_inputs(None) is True  # linked values are checked when it runs
+    # seconds is not taken: ComfyUI checks its widget minimum (one error, on seconds); a linked 0 fails at run time.
+    from h3_core.errors import H3Error
+
+    with pytest.raises(H3Error, match="seconds must be above 0"):
+        run(sampler, "3", h3_model=None, h3_cond=None, **{**SAMPLER, "seconds": 0.0, "frames": 0})
+    with pytest.raises(H3Error, match="width must be a positive multiple of 32"):  # the sampler's own canvas
+        run(sampler, "3", h3_model=None, h3_cond=None, **{**SAMPLER, "width": 100})
     assert "height must be between 32 and 4096" in encoder.validate_inputs(96, 8192)
 
 
@@ -563,7 +600,10 @@ def test_registry_metadata_and_comfyignore():
     comfy = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]
     assert comfy["PublisherId"] and comfy["DisplayName"] and comfy["Icon"].startswith("https://")
     assert comfy["Icon"].endswith("/web/icon.png") and (ROOT / "web" / "icon.png").is_file()
-    assert set(comfy["includes"]) >= {"web", "example_workflows", "locales"} and comfy["web"] == "web"
+    assert set(comfy["includes"]) >= {"web", "example_workflows", "locales"}
+    # One registration of web/ whatever the folder is called: WEB_DIRECTORY only (ComfyUI keys it by the module's
+    # name; a [tool.comfy] web entry is keyed by the project name, so a renamed folder loaded the extension twice).
+    assert "web" not in comfy
     assert comfy["requires-comfyui"].startswith(">=0.")  # core is 0.x: a 1.x floor would disable the pack
     ignored = (ROOT / ".comfyignore").read_text().split()
     assert {"tests/", "benchmarks/", ".ci/"} <= set(ignored)

@@ -68,9 +68,15 @@ for (const device of ["cpu", "mps"]) {
     result.redrawn = sampler.dirty;
     const drawn = [];
     const ctx = { save() {}, restore() {}, beginPath() {}, fill() {}, roundRect() {},
-                  measureText: (t) => ({ width: t.length * 6 }), fillText: (t) => drawn.push(t) };
+                  measureText: (t) => ({ width: t.length * 6 }), fillText: (t, x, y) => drawn.push([t, y]) };
     sampler.onDrawForeground(ctx);
     result.drawn = drawn;
+    result.node_height = sampler.size[1];
+    for (const event of ["execution_start", "execution_error", "execution_interrupted"]) {
+      api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: 1, peak_host_bytes: 1 });
+      api.dispatch(event, {});
+      result["after_" + event] = sampler.h3StreamBadge;
+    }
   }
 }
 console.log(JSON.stringify(result));
@@ -94,4 +100,8 @@ def test_memory_badge_and_mps_only_widgets(tmp_path):
     assert result["mps"] == {"source": False, "mps_reclaim_every": False}
     assert result["cpu_other_drawn"] == "undefined"  # other packs' nodes are left alone
     assert result["badge"] == "sampling: dev 3.00 GiB · host 0.50 GiB · blocks 4/50 resident"
-    assert result["redrawn"] >= 1 and result["drawn"] == [result["badge"]]
+    assert result["redrawn"] >= 1 and [text for text, _ in result["drawn"]] == [result["badge"]]
+    # Drawn under the node's bottom edge, clear of the title bar's own badges (node source, id).
+    assert all(y > result["node_height"] for _, y in result["drawn"])
+    # A run that starts, fails or is cancelled clears the badges of the previous one.
+    assert [result[f"after_{e}"] for e in ("execution_start", "execution_error", "execution_interrupted")] == [None] * 3

@@ -42,11 +42,14 @@ function drawBadge(node) {
     ctx.font = "11px sans-serif";
     const width = ctx.measureText(this.h3StreamBadge).width + 10;
     ctx.fillStyle = "rgba(20, 90, 60, 0.85)";
+    // Under the node's bottom edge, right-aligned: the title bar above carries the frontend's own badges (node
+    // source, id), which a badge there would cover.
+    const top = this.size[1] + 4;
     ctx.beginPath();
-    ctx.roundRect?.(this.size[0] - width, -LiteGraph.NODE_TITLE_HEIGHT - 20, width, 17, 5);
+    ctx.roundRect?.(this.size[0] - width, top, width, 17, 5);
     ctx.fill();
     ctx.fillStyle = "#fff";
-    ctx.fillText(this.h3StreamBadge, this.size[0] - width + 5, -LiteGraph.NODE_TITLE_HEIGHT - 7);
+    ctx.fillText(this.h3StreamBadge, this.size[0] - width + 5, top + 13);
     ctx.restore();
   };
 }
@@ -61,6 +64,18 @@ app.registerExtension({
       console.warn("h3-stream: /system_stats unavailable, MPS-only options stay visible", error);
     }
     for (const node of app.graph?._nodes ?? []) applyMpsVisibility(node);
+    // A badge belongs to the run that produced it: cleared when a run starts, fails or is cancelled.
+    const clearBadges = () => {
+      for (const node of app.graph?._nodes ?? []) {
+        if (node.h3StreamBadge) {
+          node.h3StreamBadge = null;
+          node.setDirtyCanvas?.(true, true);
+        }
+      }
+    };
+    for (const event of ["execution_start", "execution_error", "execution_interrupted"]) {
+      api.addEventListener(event, clearBadges);
+    }
     api.addEventListener(EVENT, ({ detail }) => {
       const node = app.graph?.getNodeById(Number(detail.node)) ?? app.graph?.getNodeById(detail.node);
       if (!node) return;

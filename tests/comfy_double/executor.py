@@ -2,8 +2,9 @@
 
 validation (known class types, required inputs, link shape and type, INT / FLOAT / STRING / BOOLEAN conversion,
 min / max and combo checks skipped for inputs a node's `validate_inputs` takes by name, `validate_inputs` called with
-linked inputs as None) and execution (only what output nodes need, each node once, dependencies first, a per-run
-class clone carrying `hidden`, linked values passed by reference, absent optional inputs not passed) and the output
+linked inputs as None and a failed verdict reported once per input it takes) and execution (only what output nodes
+need, each node once, dependencies first, a per-run class clone carrying `hidden`, linked values passed by reference,
+absent optional inputs not passed) and the output
 cache across prompts (a node whose class, inputs, upstream and `fingerprint_inputs` value are unchanged is not run
 again; a NaN fingerprint never matches, so such a node always runs; `not_idempotent` nodes share no cache entry with
 other nodes).
@@ -128,8 +129,8 @@ class PromptExecutor:
             values = {name: (None if _is_link(value) else value) for name, value in inputs.items()}
             arguments = values if validate_kwargs else {name: values.get(name) for name in validate_names}
             verdict = _run(node_class.validate_inputs(**arguments))
-            if verdict is not True:
-                errors.append(f"custom validation failed: {verdict}")
+            if verdict is not True:  # ComfyUI reports it under every input validate_inputs takes
+                errors.extend(f"{name} - custom validation failed: {verdict}" for name in arguments)
         return errors
 
     # ---- execution -------------------------------------------------------------------------------------------------

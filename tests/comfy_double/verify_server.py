@@ -1,9 +1,12 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ is accepted by `POST /prompt`,
 finishes with status success, and its SaveVideo / SaveAudio outputs exist as non-empty files in the output folder.
+Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0) are refused
+with HTTP 400 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
+receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
 """
 
 from __future__ import annotations
@@ -39,6 +42,63 @@ def saved_files(outputs: dict) -> list[dict]:
     return files
 
 
+def refused_once(server: str, prompt: dict, node: str, name: str, fragment: str) -> bool:
+    """`prompt` is refused with HTTP 400 and one error in all, on input `name` of node `node`."""
+    body = json.dumps({"prompt": prompt, "client_id": str(uuid.uuid4())}).encode()
+    request = urllib.request.Request(f"{server}/prompt", data=body, headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=60)
+    except urllib.error.HTTPError as error:
+        code, answer = error.code, json.loads(error.read().decode())
+    else:
+        code, answer = 200, {}
+    errors = [(node_id, e) for node_id, found in answer.get("node_errors", {}).items() for e in found["errors"]]
+    ok = (code == 400 and len(errors) == 1 and errors[0][0] == node
+          and errors[0][1].get("extra_info", {}).get("input_name") == name
+          and fragment in errors[0][1].get("details", "") + errors[0][1].get("message", ""))
+    shown = [f"{n}.{e.get('extra_info', {}).get('input_name')}: {e.get('details')}" for n, e in errors]
+    print(f"  {name} mistake: HTTP {code}, {len(errors)} error(s) {shown}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
+def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
+    """Two websocket clients; A queues `prompt`. A must get `h3_stream.memory` messages and progress text, B none."""
+    import asyncio
+
+    import aiohttp
+
+    async def run() -> tuple[dict, dict]:
+        heard = {"A": {"memory": 0, "text": 0}, "B": {"memory": 0, "text": 0}}
+        ws_url = server.replace("http", "ws", 1)
+        async with aiohttp.ClientSession() as session:
+            ids = {c: f"{c}-{uuid.uuid4()}" for c in "AB"}
+            sockets = {c: await session.ws_connect(f"{ws_url}/ws?clientId={ids[c]}") for c in "AB"}
+            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": ids["A"]}) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+
+            async def listen(name: str) -> None:
+                async for message in sockets[name]:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        heard[name]["text"] += int.from_bytes(message.data[:4], "big") == 3  # progress text
+                    elif message.type == aiohttp.WSMsgType.TEXT:
+                        data = json.loads(message.data)
+                        heard[name]["memory"] += data.get("type") == "h3_stream.memory"
+                        if name == "A" and data.get("type") in ("execution_success", "execution_error") \
+                                and data["data"].get("prompt_id") == prompt_id:
+                            return
+
+            listener_b = asyncio.ensure_future(listen("B"))
+            await asyncio.wait_for(listen("A"), timeout=300)
+            await asyncio.sleep(1)  # anything sent to B would have arrived by now
+            listener_b.cancel()
+        return heard["A"], heard["B"]
+
+    a, b = asyncio.run(run())
+    ok = a["memory"] > 0 and a["text"] > 0 and b == {"memory": 0, "text": 0}
+    print(f"  per-client telemetry: queuing client {a}, other client {b}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
 def main() -> int:
     server, output_dir = sys.argv[1].rstrip("/"), Path(sys.argv[2])
     info = call(f"{server}/object_info")
@@ -67,6 +127,21 @@ def main() -> int:
         print(f"{path.name}: {status} in {time.time() - started:.1f} s; saved {names}{'' if ok else '  <-- FAILED'}")
         if status != "success":
             print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
+    example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamLoader")
+    sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamSampler")
+    cpu_only = call(f"{server}/system_stats")["devices"][0]["type"] == "cpu"
+    mistakes = [(loader, "video_vae_residency", "layerwise", "not in"),
+                (loader, "transformer_residency", "GPU", "not in"), (sampler, "seconds", 0, "smaller than min")]
+    if cpu_only:
+        mistakes.append((loader, "device", "cuda", "device 'cuda'"))
+    print("API prompt mistakes:")
+    for node, name, value, fragment in mistakes:
+        prompt = json.loads(json.dumps(example))
+        prompt[node]["inputs"][name] = value
+        failures += not refused_once(server, prompt, node, name, fragment)
+    example[sampler]["inputs"]["seed"] = int(time.time())  # not a cached result: the nodes must run
+    failures += not only_the_queuing_client_hears(server, example)
     return 1 if failures else 0
 
 

@@ -8,6 +8,9 @@ class PromptServer:
 
     def __init__(self):
         self.messages: list[tuple] = []  # (event, data, sid)
+        # The client that queued the running prompt (ComfyUI sets it from the prompt's `client_id`, None for an API
+        # prompt queued without one): a browser tab by default here.
+        self.client_id: str | None = "browser-tab"
         PromptServer.instance = self
 
     def send_sync(self, event, data, sid=None):
