@@ -7,6 +7,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from .decode_audio import H3StreamDecodeAudio
 from .decode_video import H3StreamDecodeVideo
+from .latent_from_core import H3StreamLatentFromCore
+from .latent_to_core import H3StreamLatentToCore
 from .loader import H3StreamLoader
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
@@ -25,6 +27,8 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamMemoryReport,
     H3StreamUnload,
     H3StreamLoRA,
+    H3StreamLatentToCore,
+    H3StreamLatentFromCore,
 )
 
 

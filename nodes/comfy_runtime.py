@@ -1,5 +1,5 @@
-"""Everything the nodes ask of the running ComfyUI: its device, its model management, progress bars, interruption
-and websocket messages. The only module of the pack that imports `comfy.*` or `server`.
+"""Everything the nodes ask of the running ComfyUI: its device, its model management, progress bars, interruption,
+websocket messages and its AV latent container. The only module of the pack that imports `comfy.*` or `server`.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import comfy.model_management as model_management
+import comfy.nested_tensor
 import comfy.utils
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -54,6 +55,19 @@ def free_memory_for(paths_by_component: dict, settings, device: torch.device) ->
     required = sum(files_bytes(path) for name, path in paths_by_component.items() if not settings.offloaded(name))
     if required > 0:
         model_management.free_memory(required, device)
+
+
+def av_latent(video: torch.Tensor, audio: torch.Tensor) -> dict:
+    """Core's AV `LATENT`: its video and audio streams in one `NestedTensor` (what core's H3 latent nodes make)."""
+    return {"samples": comfy.nested_tensor.NestedTensor((video, audio))}
+
+
+def latent_streams(latent) -> tuple:
+    """The tensors of a core `LATENT`: both streams of an AV latent, else its one tensor (or whatever it holds)."""
+    samples = latent.get("samples") if isinstance(latent, dict) else latent
+    if getattr(samples, "is_nested", False):
+        return tuple(samples.unbind())
+    return (samples,)
 
 
 def soft_empty_cache() -> None:

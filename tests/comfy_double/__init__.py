@@ -1,9 +1,11 @@
 """A small test double of the ComfyUI modules the pack uses (ComfyUI is not installable from PyPI).
 
-`modules/` holds `comfy_api.latest`, `comfy.model_management`, `comfy.utils`, `folder_paths` and `server`, with
-ComfyUI 0.33.0's signatures (contract/signatures.json, recorded from a real ComfyUI by record_contract.py).
+`modules/` holds `comfy_api.latest`, `comfy.model_management`, `comfy.nested_tensor`, `comfy.utils`, `folder_paths` and
+`server`, with ComfyUI 0.33.0's signatures (contract/signatures.json, recorded from a real ComfyUI by
+record_contract.py).
 `load_pack()` imports the pack the way ComfyUI's custom-node loader does; `executor.PromptExecutor` validates and runs
-API-format prompts; `core_nodes` stands in for the core nodes the example workflows end in.
+API-format prompts; `core_nodes` stands in for the core nodes the example workflows end in and the core H3
+latent nodes.
 """
 
 from __future__ import annotations

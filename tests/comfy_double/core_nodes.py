@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import torch
+from comfy.nested_tensor import NestedTensor
 from comfy_api.latest import io
 
 SAVED: list[dict] = []  # what SaveVideo / SaveAudio received, in order
@@ -101,4 +102,69 @@ class SaveAudio(io.ComfyNode):
         return io.NodeOutput(audio, ui={"audio": [{"filename": f"{filename_prefix}_00001_.flac"}]})
 
 
-CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio)}
+class EmptyMiniMaxH3LatentAV(io.ComfyNode):
+    """Core's empty H3 AV latent (comfy_extras/nodes_minimax_h3.py: `EmptyMiniMaxH3LatentAV`, `_empty_av_latent`,
+    `temporal_shape`): `length` is rounded up to 17n + 5 frames (at least 5), which have 5n + 2 latent frames, and the
+    audio gets round(frames / 24 * 40) latents per stereo channel."""
+
+    @classmethod
+    def define_schema(cls):
+        tooltip = ("Frame count at 24 fps, snapped up to the model's 17k+5 grid (124 = ~5s; trained range is "
+                   "~124-362, longer is untested)")
+        return io.Schema(node_id="EmptyMiniMaxH3LatentAV", display_name="Empty MiniMax H3 AV Latent",
+                         category="model/latent/minimax",
+                         description="Joint video+audio latent for MiniMax H3. Duration snaps to the model's 17k+5 "
+                                     "frame grid at 24 fps.",
+                         inputs=[io.Int.Input("width", default=1344, min=32, max=16384, step=32),
+                                 io.Int.Input("height", default=768, min=32, max=16384, step=32),
+                                 io.Int.Input("length", default=124, min=5, max=3600, step=17, tooltip=tooltip)],
+                         outputs=[io.Latent.Output()])
+
+    @classmethod
+    def execute(cls, width, height, length):
+        frames = max(5, length) + (5 - max(5, length)) % 17
+        video = torch.zeros(1, 24, (frames - 5) // 17 * 5 + 2, height // 16, width // 16)
+        audio = torch.zeros(1, 32, 2, round(frames / 24 * 40))
+        return io.NodeOutput({"samples": NestedTensor((video, audio))})
+
+
+class LTXVSeparateAVLatent(io.ComfyNode):
+    """Core's Separate AV Latent (comfy_extras/nodes_lt.py): the two streams as two LATENTs."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="LTXVSeparateAVLatent", display_name="Separate AV Latent", category="model/latent/ltxv",
+                         description="Split a joint AV latent into its video and audio latents (any AV model, e.g. "
+                                     "LTXV or MiniMax H3).",
+                         inputs=[io.Latent.Input("av_latent")],
+                         outputs=[io.Latent.Output(display_name="video_latent"),
+                                  io.Latent.Output(display_name="audio_latent")])
+
+    @classmethod
+    def execute(cls, av_latent):
+        video, audio = av_latent["samples"].unbind()
+        return io.NodeOutput({**av_latent, "samples": video}, {**av_latent, "samples": audio})
+
+
+class LTXVConcatAVLatent(io.ComfyNode):
+    """Core's Concat AV Latent (comfy_extras/nodes_lt.py), for two plain LATENTs of matching length (core also fits
+    an audio of another length, which no test here needs)."""
+
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="LTXVConcatAVLatent", display_name="Concat AV Latent", category="model/latent/ltxv",
+                         description="Merge a video latent and an audio latent into a joint AV latent (any AV model, "
+                                     "e.g. LTXV or MiniMax H3).",
+                         inputs=[io.Latent.Input("video_latent"), io.Latent.Input("audio_latent")],
+                         outputs=[io.Latent.Output(display_name="latent")])
+
+    @classmethod
+    def execute(cls, video_latent, audio_latent):
+        assert not getattr(video_latent["samples"], "is_nested", False), "the double joins plain latents only"
+        return io.NodeOutput({**video_latent, **audio_latent,
+                              "samples": NestedTensor((video_latent["samples"], audio_latent["samples"]))})
+
+
+CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio,
+                                                            EmptyMiniMaxH3LatentAV, LTXVSeparateAVLatent,
+                                                            LTXVConcatAVLatent)}

@@ -18,8 +18,10 @@ from pathlib import Path
 
 CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
-              "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA"]
-CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio"]
+              "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA",
+              "H3StreamLatentToCore", "H3StreamLatentFromCore"]
+CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "EmptyMiniMaxH3LatentAV", "LTXVSeparateAVLatent",
+              "LTXVConcatAVLatent"]
 # (module, dotted attribute) of every callable whose signature the double must share.
 CALLABLES = [
     ("comfy_api.latest", "ComfyExtension.on_load"),
@@ -46,9 +48,13 @@ CALLABLES = [
     ("comfy_api.latest._io", "Video.Input.__init__"),
     ("comfy_api.latest._io", "Video.Output.__init__"),
     ("comfy_api.latest._io", "AnyType.Input.__init__"),
+    ("comfy_api.latest._io", "Latent.Input.__init__"),
+    ("comfy_api.latest._io", "Latent.Output.__init__"),
     ("comfy_api.latest._io", "String.Output.__init__"),
     ("comfy_api.latest._io", "Float.Output.__init__"),
     ("comfy_api.latest._ui", "PreviewText.__init__"),
+    ("comfy.nested_tensor", "NestedTensor.__init__"),
+    ("comfy.nested_tensor", "NestedTensor.unbind"),
     ("comfy.utils", "ProgressBar.__init__"),
     ("comfy.utils", "ProgressBar.update_absolute"),
     ("comfy.utils", "ProgressBar.update"),

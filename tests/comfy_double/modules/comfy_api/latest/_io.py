@@ -126,6 +126,7 @@ def Custom(io_type: str) -> type:
 Image = _socket_type("Image", "IMAGE")
 Audio = _socket_type("Audio", "AUDIO")
 Video = _socket_type("Video", "VIDEO")
+Latent = _socket_type("Latent", "LATENT")
 AnyType = _socket_type("AnyType", "*")
 
 
