@@ -223,6 +223,22 @@ def test_an_unsupported_device_type_is_refused_with_the_supported_ones(device, t
         Platform.for_device(device)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_device_the_machine_lacks_is_one_message_before_anything_loads(tiny):
+    """The Python API says what the CLI and the loader node say: `cuda` on a machine without it, a GPU index that
+    does not exist, a device string that is no device."""
+    from h3_core.errors import H3Error
+    from h3_core.pipeline import H3Pipeline, resolve_model
+
+    sources = resolve_model(tiny)
+    with pytest.raises(H3Error, match=r"^device 'cuda': (this PyTorch build has no CUDA support|PyTorch has CUDA)"):
+        H3Pipeline(sources, device="cuda")
+    with pytest.raises(H3Error, match=r"^device 'cuda:7': "):
+        H3Pipeline(sources, device="cuda:7")
+    with pytest.raises(H3Error, match=r"^device 'gpu please' is not a device; use cpu, cuda, cuda:N or mps\.$"):
+        H3Pipeline(sources, device="gpu please")
+
+
 # ---- cudart statuses are reported, never swallowed ---------------------------------------------------------------
 
 import gc  # noqa: E402

@@ -26,7 +26,7 @@ from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..runtime.chunking import ChunkingPolicy
-from ..runtime.platform import Platform
+from ..runtime.platform import Platform, device_problem
 from .keyframes import pil_to_frames, prepare_keyframes
 from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
                      rows_to_audio, unpatchify)
@@ -138,8 +138,14 @@ class H3Pipeline:
                  keep_transformer: bool = False, keep_video_vae: bool = False, keep_audio_vae: bool = False,
                  log: Callable[[str], None] | None = None):
         self.sources = sources
-        self.device = torch.device(device)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise H3Error(f"device {device!r} is not a device; use cpu, cuda, cuda:N or mps.") from None
         Platform.for_device(self.device)  # an unsupported device type is refused here, before any loading
+        problem = device_problem(self.device)
+        if problem:  # a missing GPU is one message here, not a torch error from the first tensor moved there
+            raise H3Error(f"device {str(self.device)!r}: {problem}.")
         self.dtype = dtype
         self.component_options = {k: dict(v) for k, v in (component_options or {}).items()}
         unknown = set(self.component_options) - set(self.COMPONENTS)
