@@ -184,6 +184,34 @@ def test_failed_run_keeps_the_existing_file(tiny, monkeypatch, capsys, tmp_path)
     assert out.read_bytes() == OLD
 
 
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_full_disk_gives_one_message_and_leaves_no_partial_file(tiny, monkeypatch, capsys, tmp_path, existing):
+    """The disk fills up half way through the mp4 (ENOSPC from the writer): one message, no staging file left, an
+    existing file unchanged."""
+    import errno
+
+    import h3_core.pipeline.media as media
+
+    monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))
+    monkeypatch.setattr(H3Pipeline, "generate", lambda self, *a, **k: fake_result())
+
+    def fills_the_disk(path, *args, **kwargs):  # the encoder, writing into the staging file
+        Path(path).write_bytes(b"half an mp4")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(media, "_encode_mp4", fills_the_disk)
+    out = tmp_path / "clip.mp4"
+    if existing:
+        out.write_bytes(OLD)
+    assert cli.main(["generate", "x", "--out", str(out)]) == 2
+    kept = "; the file already there is unchanged" if existing else ""
+    assert capsys.readouterr().err == (f"error: {out}: could not write the output: No space left on device. Nothing "
+                                       f"was written{kept}.\n")
+    assert folder_names(tmp_path) == (["clip.mp4"] if existing else [])
+    if existing:
+        assert out.read_bytes() == OLD
+
+
 def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
