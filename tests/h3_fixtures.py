@@ -8,10 +8,11 @@ written by its own `save_pretrained`, the native and ComfyUI layouts by the conv
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from h3_core.models.dit_config import H3DiTConfig
 
@@ -159,3 +160,15 @@ def packed_inputs(config: H3DiTConfig, *, text_len=7, latent_frames=3, latent_hw
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def tiny_copy_with(tiny: Path, tmp_path: Path, component_glob: str, key: str, value: float) -> tuple[Path, Path]:
+    """A copy of the tiny model with every element of one tensor of one component set to `value` (NaN, Inf, a value
+    that overflows): the copy's folder and the edited file."""
+    root = tmp_path / "edited"
+    shutil.copytree(tiny, root)
+    path = next(root.glob(component_glob))
+    state = load_file(path)
+    state[key] = torch.full_like(state[key], value)
+    save_file(state, path)
+    return root, path

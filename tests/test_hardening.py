@@ -4,18 +4,17 @@ block release every streamed block; a soak run does not leak memory or file hand
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
 from h3_core.pipeline import H3Pipeline, resolve_model
+from h3_fixtures import tiny_copy_with
 from h3_core.pipeline.tiny_default import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,17 +24,6 @@ REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return ensure_tiny_model(tmp_path_factory.mktemp("cache"))
-
-
-def poisoned_copy(tiny, tmp_path, component_glob, key, value):
-    """A copy of the tiny model with one tensor of one component set to NaN or Inf."""
-    root = tmp_path / "poisoned"
-    shutil.copytree(tiny, root)
-    path = next(root.glob(component_glob))
-    state = load_file(path)
-    state[key] = torch.full_like(state[key], value)
-    save_file(state, path)
-    return root, path
 
 
 def fd_count() -> int:
@@ -55,7 +43,7 @@ def fd_count() -> int:
      "the text encoder produced NaN/Inf"),
 ])
 def test_non_finite_weights_are_named(tiny, tmp_path, component, key, value, message):
-    root, path = poisoned_copy(tiny, tmp_path, component, key, value)
+    root, path = tiny_copy_with(tiny, tmp_path, component, key, value)
     pipe = H3Pipeline(resolve_model(root))
     with pytest.raises(H3Error) as info:
         pipe.generate("a red fox", **REQUEST)

@@ -7,32 +7,20 @@ surfaced as "the transformer produced NaN/Inf ... Run in float32 or bfloat16 rat
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
 
 from h3_core.errors import H3Error
 from h3_core.pipeline import H3Pipeline, resolve_model
+from h3_fixtures import tiny_copy_with
 
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
 
 
-def edited_copy(tiny, tmp_path, component_glob, key, value):
-    """A copy of the tiny model with every element of one tensor set to `value`."""
-    root = tmp_path / "edited"
-    shutil.copytree(tiny, root)
-    path = next(root.glob(component_glob))
-    state = load_file(path)
-    state[key] = torch.full_like(state[key], value)
-    save_file(state, path)
-    return root, path
-
-
 def test_a_nan_keyframe_latent_names_the_video_vae_encoder_not_the_transformer(tiny, tmp_path):
-    root, path = edited_copy(tiny, tmp_path, "vae/minimax_h3_video_vae*.safetensors", "encoder.conv_in.weight",
+    root, path = tiny_copy_with(tiny, tmp_path, "vae/minimax_h3_video_vae*.safetensors", "encoder.conv_in.weight",
                              float("nan"))
     pipe = H3Pipeline(resolve_model(root))
     with pytest.raises(H3Error) as error:
@@ -82,7 +70,7 @@ OVERFLOW = 3e38  # finite in float32 and bfloat16; any product with it overflows
     (torch.bfloat16, "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."),
 ])
 def test_transformer_overflow_advice_fits_the_run_dtype(tiny, tmp_path, dtype, advice):
-    root, _ = edited_copy(tiny, tmp_path, "diffusion_models/*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
+    root, _ = tiny_copy_with(tiny, tmp_path, "diffusion_models/*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
     pipe = H3Pipeline(resolve_model(root), dtype=dtype)
     with pytest.raises(H3Error) as error:
         pipe.generate("a fox", **REQUEST)

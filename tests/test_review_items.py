@@ -13,14 +13,6 @@ from h3_fixtures import packed_inputs
 from offload_fixtures import SMALL, random_state, same_outputs, save_native
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return save_native(random_state(SMALL, seed=11), SMALL, tmp_path_factory.mktemp("review") / "native")
