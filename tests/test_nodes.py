@@ -202,6 +202,15 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
         assert where == node and message.startswith(expected), (name, message)
 
 
+def test_ref2va_with_the_tiny_model_says_what_to_choose(pack):
+    from h3_core.errors import H3Error
+
+    with pytest.raises(H3Error) as refused:
+        load(pack, partition="Ref2VA")
+    assert str(refused.value) == ("partition Ref2VA: the embedded tiny test model has an FL2VA transformer only; "
+                                  "choose FL2VA, or a source with Ref2VA weights.")
+
+
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     import folder_paths
     from h3_core.errors import CheckpointError, H3Error
@@ -249,13 +258,6 @@ def test_hugging_face_source_respects_offline_mode(pack, monkeypatch, tmp_path):
         model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="nobody/nothing")
     with pytest.raises(H3Error, match="repo_id is empty"):
         model_sources.resolve_sources(model_sources.HUGGING_FACE, "FL2VA", repo_id="  ")
-
-
-def test_tiny_model_has_no_ref2va_partition(pack):
-    from h3_core.errors import CheckpointError
-
-    with pytest.raises(CheckpointError, match="ref2va"):
-        load(pack, partition="Ref2VA")
 
 
 # ---- the generation nodes on the tiny model ------------------------------------------------------------------------
