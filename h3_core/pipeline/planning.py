@@ -75,6 +75,13 @@ def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]]) -> dict:
                 total=fixed + sum(units.values()), scratch=scratch, sizes=tuple(units[u] for u in numbered))
 
 
+def packed_rows_estimate(shape: LatentShape) -> int:
+    """Rows of the DiT's packed sequence for a request, before the prompt is tokenised: `TEXT_ROWS_ESTIMATE` text
+    rows, the audio latents of both channels and the 2x2-patched video latents (keyframe rows left out)."""
+    return (TEXT_ROWS_ESTIMATE + AUDIO_CHANNELS * shape.audio_latents
+            + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2))
+
+
 def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
                   keyframes: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
@@ -88,9 +95,7 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                  DIT_PHASE_SCOPED)
     blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
     adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
-    text_rows = TEXT_ROWS_ESTIMATE
-    rows = (text_rows + AUDIO_CHANNELS * shape.audio_latents
-            + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2))
+    rows = packed_rows_estimate(shape)
     element = _dtype_bytes(residual_dtype)
     # Full-length buffers every block keeps: residual in and out, K and V, the attention output, per-row modulation.
     full_length = rows * element * (3 * c.hidden_size + 2 * c.inner_dim + 6 * c.hidden_size // 3)

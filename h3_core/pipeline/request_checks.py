@@ -180,8 +180,7 @@ def estimate_request(sources, *, device, width: int, height: int, num_frames: in
     counted per phase) and transformer work from its parameter count and the packed rows: 2 x parameters x rows per
     call for the matmuls plus 4 x rows^2 x attention width per block for attention."""
     from ..checkpoints.dit_loader import resolve_dit_checkpoint
-    from .layout import AUDIO_CHANNELS
-    from .planning import TEXT_ROWS_ESTIMATE, plan_for_budget
+    from .planning import packed_rows_estimate, plan_for_budget
 
     plan = plan_for_budget(sources, device=device, budget_bytes=1 << 62, width=width, height=height,
                            num_frames=num_frames, dtype=dtype, chunk_size=chunk_size, loras=loras, keep=keep,
@@ -189,9 +188,7 @@ def estimate_request(sources, *, device, width: int, height: int, num_frames: in
     ckpt = resolve_dit_checkpoint(sources.transformer)
     c = ckpt.config
     shape = LatentShape.for_request(width, height, num_frames)
-    # The packed rows as the planner counts them (`planning._dit_estimate`): text, audio, 2x2-patched video.
-    rows = (TEXT_ROWS_ESTIMATE + AUDIO_CHANNELS * shape.audio_latents
-            + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2))
+    rows = packed_rows_estimate(shape)
     params = sum(ckpt.numel(spec) for spec in ckpt.specs)
     calls = steps - 1
     flops = calls * (2.0 * params * rows + 4.0 * rows * rows * c.inner_dim * c.num_layers)

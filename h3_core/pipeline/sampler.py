@@ -14,6 +14,7 @@ import torch
 
 from ..errors import H3Error
 from .layout import PackedLayout
+from .request_checks import check_shift
 
 VIDEO_SHIFT = 12.0
 AUDIO_SHIFT = 3.0
@@ -43,12 +44,8 @@ class Schedule:
 
     @classmethod
     def build(cls, num_steps: int, video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT) -> "Schedule":
-        for name, shift, default in (("video_shift", video_shift, VIDEO_SHIFT), ("audio_shift", audio_shift,
-                                                                                   AUDIO_SHIFT)):
-            # inf passes `shift > 0` and makes every sigma NaN, which the transformer would be blamed for.
-            if isinstance(shift, (int, float)) and not math.isfinite(shift):
-                raise H3Error(f"{name} must be a finite positive number ({default:g} for the released model), got "
-                              f"{shift}.")
+        # inf passes `shift > 0` and makes every sigma NaN, which the transformer would be blamed for.
+        video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
         video = sigma_schedule(num_steps, video_shift)
         audio = sigma_schedule(num_steps, audio_shift)
         if video.numel() != audio.numel():
