@@ -150,11 +150,10 @@ class HeldTensors:
         # a file truncated or rewritten in place since the load is a clear error instead of a SIGBUS.
         self._reader = FileReader()
         # Opened now: a file later replaced by a rename is still read from the inode that was loaded.
-        for recipes in self._recipes:
-            for recipe in recipes.values():
-                for source in recipe.sources:
-                    if (segment := segment_of(source)) is not None:
-                        self._reader.check(segment)
+        segments = {seg.path: seg for recipes in self._recipes for recipe in recipes.values()
+                    for source in recipe.sources if (seg := segment_of(source)) is not None}
+        for segment in segments.values():  # one descriptor and identity check per file
+            self._reader.check(segment)
 
     def __len__(self) -> int:
         return len(self._recipes)
