@@ -17,7 +17,7 @@ PACKAGE = ROOT / "h3_core"
 # Lowest first. A module may import its own layer and the layers before it; the facade (h3_core/__init__.py and
 # __main__.py) may import every layer.
 LAYERS = ("base", "runtime", "models", "checkpoints", "pipeline")
-BASE_MODULES = {"h3_core.errors", "h3_core.components"}
+BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values"}
 FACADE = {"h3_core", "h3_core.__main__"}
 PLATFORM_MODULE = "h3_core.runtime.platform"
 

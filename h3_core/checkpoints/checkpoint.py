@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import torch
 
 from ..errors import CheckpointError, PickleCheckpointError
+from ..json_values import is_positive_real, is_whole
 from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
 
 T = TypeVar("T")
@@ -177,7 +178,7 @@ def check_config_sizes(config_path: Path, checks) -> None:
 def config_int(raw: Mapping[str, Any], key: str, default, path: Path, *, minimum: int = 1, label: str | None = None):
     """`raw[key]` (else `default`) as an integer >= `minimum`: JSON true, 2.0 and "2" are refused, naming the key."""
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_whole(value, minimum):
         kind = "positive integer" if minimum == 1 else f"integer >= {minimum}"
         raise CheckpointError(f"{path}: '{label or key}' must be a {kind}, got {value!r}. Restore the config.json of "
                               "the release.", path=path, key=label or key)
@@ -187,7 +188,7 @@ def config_int(raw: Mapping[str, Any], key: str, default, path: Path, *, minimum
 def config_float(raw: Mapping[str, Any], key: str, default, path: Path, *, label: str | None = None):
     """`raw[key]` (else `default`) as a finite positive number."""
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_positive_real(value):
         raise CheckpointError(f"{path}: '{label or key}' must be a positive number, got {value!r}. Restore the "
                               "config.json of the release.", path=path, key=label or key)
     return float(value)

@@ -17,6 +17,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError, PickleCheckpointError
+from ..json_values import is_whole
 from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
@@ -79,8 +80,8 @@ def _nesting_depth(value) -> int:
 
 
 def _is_count(value) -> bool:
-    """A JSON non-negative integer (Python's bool is an int; JSON true is not)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A JSON non-negative integer."""
+    return is_whole(value, 0)
 
 
 def refuse_pickle(path: Path) -> None:

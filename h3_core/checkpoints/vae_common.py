@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import CheckpointError, H3Error
+from ..json_values import is_positive_real, is_whole
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.layerwise import LayerwiseOffloadManager
@@ -51,7 +52,7 @@ def latent_stats(raw: dict, path: Path, channels: int, required: bool):
 
 def int_list(raw: dict, key: str, default, path: Path) -> tuple[int, ...]:
     value = raw.get(key, default)
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and v > 0 for v in value):
+    if not isinstance(value, (list, tuple)) or not all(is_whole(v) for v in value):
         raise CheckpointError(f"{path}: '{key}' must be a list of positive integers, got {value!r}.", path=path,
                               key=key)
     return tuple(value)
@@ -59,15 +60,14 @@ def int_list(raw: dict, key: str, default, path: Path) -> tuple[int, ...]:
 
 def positive_number(raw: dict, key: str, default, path: Path, kind=int):
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)) \
-            or value <= 0:
+    if not (is_whole(value) if kind is int else is_positive_real(value)):
         raise CheckpointError(f"{path}: '{key}' must be a positive {kind.__name__}, got {value!r}.", path=path, key=key)
     return kind(value)
 
 
 def count_value(raw: dict, key: str, default, path: Path) -> int:
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_whole(value, 0):
         raise CheckpointError(f"{path}: '{key}' must be a non-negative integer, got {value!r}.", path=path, key=key)
     return value
 

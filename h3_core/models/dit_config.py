@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import CheckpointError
+from ..json_values import is_positive_real, is_whole
 
 # Modality tags carried by every row of the packed sequence; they also index each block's AdaLN table.
 VIDEO_TAG = 0
@@ -142,19 +142,15 @@ class H3DiTConfig:
     def _check_type(field: str, value, key: str, source) -> None:
         """JSON types of one field (`key` as the file spells it): counts and widths are integers (not true, 2.0 or
         "2"), epsilons and theta finite positive numbers, patch_size three positive integers."""
-        def is_int(v, minimum=1):
-            return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
         if field == "patch_size":
-            ok, want = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_int(v) for v in value), \
+            ok, want = isinstance(value, (list, tuple)) and len(value) == 3 and all(is_whole(v) for v in value), \
                 "a list of three positive integers (t, h, w)"
         elif field in H3DiTConfig._FLOAT_FIELDS:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-            want = "a positive number"
+            ok, want = is_positive_real(value), "a positive number"
         elif field == "num_refiner_layers":
-            ok, want = is_int(value, 0), "an integer >= 0"
+            ok, want = is_whole(value, 0), "an integer >= 0"
         else:
-            ok, want = is_int(value), "a positive integer"
+            ok, want = is_whole(value), "a positive integer"
         if not ok:
             raise CheckpointError(f"{source}: '{key}' must be {want}, got {value!r}. Restore the config.json of the "
                                   "release.", path=source, key=key)

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import H3Error
+from ..json_values import is_positive_real, is_whole
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
 
@@ -33,11 +34,7 @@ def config_number(raw: Mapping[str, Any], key: str, default, where: str, *, real
     """`raw[key]` (else `default`) as a positive integer (or, `real`, a finite positive number): JSON true, 2.0 for a
     count and "2" are refused with one H3Error naming `where.key`."""
     value = raw.get(key, default)
-    if real:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-    else:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    if not ok:
+    if not (is_positive_real(value) if real else is_whole(value)):
         raise H3Error(f"{where}.{key} must be a positive {'number' if real else 'integer'}, got {value!r}.")
     return float(value) if real else value
 
