@@ -110,7 +110,7 @@ class _HostOps:
         # every conv call frees a weight reorder and mid-size activations fragments it, so the process's resident
         # memory grows several times past what is alive (the audio decoder: 58 MiB alive, 150-320 MiB resident).
         # Trimming between blocks returns the free pages; releasing everything as freed (a fixed low mmap
-        # threshold) would cost a page fault per buffer (5x slower audio decode, measured).
+        # threshold) costs a page fault per buffer instead (several times slower in an exploratory run).
         if _MALLOC_TRIM is not None:
             _MALLOC_TRIM(0)
 
