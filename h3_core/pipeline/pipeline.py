@@ -267,11 +267,12 @@ class H3Pipeline:
     @serialised
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
                video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
-               check_interrupt=None, chunk_size: int | None = None,
+               check_interrupt=None, chunk_size: int | None = None, memory_budget: int | None = None,
                between_chunks: Callable[[], None] | None = None, loras=None) -> Latents:
-        """The sampling loop. `chunk_size` (packed rows per chunk) and `between_chunks` (run after every row chunk,
-        e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting. Neither
-        changes the model.
+        """The sampling loop. `chunk_size` (packed rows per chunk), `memory_budget` (bytes one row chunk's
+        temporaries may take, when `chunk_size` is None: e.g. a request plan's `dit_chunk_budget`) and
+        `between_chunks` (run after every row chunk, e.g. a device-cache reclaim) apply to this call only; None keeps
+        the transformer's loaded setting. None of them changes the model.
 
         `loras` ((file, strength), ...) becomes the transformer's LoRA set before sampling (`set_loras`, no reload;
         `()` is the base model) and stays until another call changes it; None keeps the set the model has."""
@@ -297,7 +298,7 @@ class H3Pipeline:
         video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
         result = denoise(dit, cond.states, layout, schedule, video_rows, audio_noise,
                          num_condition_video_rows=layout.num_condition_video_rows, progress=progress,
-                         check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks))
+                         check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget))
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape)
@@ -322,11 +323,13 @@ class H3Pipeline:
         return latents
 
     @staticmethod
-    def _chunking(dit, chunk_size, between_chunks) -> ChunkingPolicy | None:
+    def _chunking(dit, chunk_size, between_chunks, memory_budget=None) -> ChunkingPolicy | None:
         """This call's chunking: the transformer's policy with the call's overrides (None when there are none)."""
-        if chunk_size is None and between_chunks is None:
+        if chunk_size is None and between_chunks is None and memory_budget is None:
             return None
         overrides = {"chunk_size": chunk_size} if chunk_size is not None else {}
+        if chunk_size is None and memory_budget is not None:
+            overrides.update(chunk_size=None, memory_budget=memory_budget)
         if between_chunks is not None:
             overrides["between_chunks"] = between_chunks
         return dataclasses.replace(dit.chunking, **overrides)  # validated again by ChunkingPolicy

@@ -11,7 +11,7 @@ and activations, plus the weights, stores and rings of every kept component.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -207,7 +207,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                     dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=(), keep=(),
                     keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
                     host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
-                    residency: str | None = None) -> MemoryPlan:
+                    residency: str | Mapping[str, str] | None = None) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
@@ -216,8 +216,8 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     vision tower). `steps` (sigma grid points) sizes the step cache's AdaLN tables. `staging_read_ahead`: the
     layerwise staging ring's read-ahead (the loaders' 1 by default; None: no ring); `host_budget_bytes`: on a
     discrete device (CUDA), the host memory the stores and rings may take (None: reported, not checked).
-    `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it.
-    See `runtime.memory_plan.fit_budget`.
+    `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it; a
+    mapping fixes each named component's (those of a pipeline already built). See `runtime.memory_plan.fit_budget`.
 
     `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
     memory-mapped, and the device bytes of their largest fold step count with the transformer's activations."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from ..errors import H3Error
 from .platform import Platform
@@ -389,7 +389,7 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
                dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None,
                notes: list[str] | None = None, phases: Sequence[PhaseSpec] | None = None, keep: Iterable[str] = (),
                staging_read_ahead: int | None = None, host_budget_bytes: int | None = None,
-               residency: str | None = None) -> MemoryPlan:
+               residency: str | Mapping[str, str] | None = None) -> MemoryPlan:
     """Choose residency per component and the transformer's chunk budget so that every phase fits `budget_bytes`;
     raise `MemoryBudgetError` with the plan when a phase does not.
 
@@ -401,7 +401,7 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     `staging_read_ahead` models the streaming staging ring (`staging_items`: on the CPU `read_ahead` buffers beyond
     the slots, which are ring buffers themselves; on MPS `read_ahead + 1` host buffers; on CUDA one pinned ring of
     `max(1, read_ahead) + 1`); None: no ring. `residency` ("resident" / "layerwise") fixes every streamable
-    component's residency instead of choosing it. The estimates are updated in place.
+    component's residency instead of choosing it; a mapping fixes each named component's (a loaded pipeline's). The estimates are updated in place.
     """
     phases = list(phases) if phases is not None else [PhaseSpec(c.name, c.name) for c in components]
     keep = tuple(name for name in (c.name for c in components) if name in set(keep))
@@ -414,14 +414,19 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     def budgeted(phase: PhaseEstimate) -> int:
         return phase.total_bytes if shared else phase.device_bytes
 
-    if residency not in (None, "resident", "layerwise"):
-        raise H3Error(f"residency must be 'resident' or 'layerwise' (or None to choose), got {residency!r}.")
+    fixed = dict(residency) if isinstance(residency, Mapping) else (
+        {c.name: residency for c in components} if residency is not None else None)
+    bad = sorted({value for value in (fixed or {}).values()} - {"resident", "layerwise"}, key=str)
+    if bad:
+        raise H3Error(f"residency must be 'resident' or 'layerwise' (or None to choose), got {bad[0]!r}.")
     for c in components:
         c.prefetch = platform.default_prefetch
-        if c.streamable and (platform.unified_memory or residency is not None):
-            c.residency = residency or "layerwise"
+        if c.streamable and fixed is not None and c.name in fixed:
+            c.residency = fixed[c.name]
+        elif c.streamable and platform.unified_memory:
+            c.residency = "layerwise"
     by_name = {c.name: c for c in components}
-    for index in range(len(phases) if residency is None else 0):
+    for index in range(len(phases) if fixed is None else 0):
         tried: set[str] = set()
         while budgeted(phase := estimate()[index]) > budget_bytes:
             candidates = [by_name[n] for n in phase.components
