@@ -71,12 +71,16 @@ class CreateVideo(io.ComfyNode):
 class SaveVideo(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        # Core's `codec` is a dynamic combo; its plain values ("auto", "h264") are all the workflows use.
+        encoding = io.DynamicCombo.Input("encoding", display_name="encoding mode", optional=True, options=[
+            io.DynamicCombo.Option("auto", []),
+            io.DynamicCombo.Option("re-encode", [io.Float.Input("crf", default=23.0, min=0.0, max=51.0, step=1.0)]),
+        ])
         return io.Schema(node_id="SaveVideo", display_name="Save Video", category="video", inputs=[
             io.Video.Input("video"),
             io.String.Input("filename_prefix", default="video/ComfyUI"),
             io.Combo.Input("format", options=["auto", "mp4"], default="auto"),
-            io.Combo.Input("codec", options=["auto", "h264"]),
+            io.DynamicCombo.Input("codec", options=[io.DynamicCombo.Option("auto", []),
+                                                    io.DynamicCombo.Option("h264", [encoding])]),
         ], hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True)
 
     @classmethod
@@ -85,6 +89,28 @@ class SaveVideo(io.ComfyNode):
         SAVED.append({"node": "SaveVideo", "prefix": filename_prefix, "images": video.images, "audio": video.audio,
                       "frame_rate": video.frame_rate})
         return io.NodeOutput(ui={"images": [{"filename": f"{filename_prefix}_00001_.mp4"}], "animated": (True,)})
+
+
+class SaveAudioAdvanced(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(node_id="SaveAudioAdvanced", display_name="Save Audio (Advanced)", category="audio",
+                         inputs=[io.Audio.Input("audio"), io.String.Input("filename_prefix", default="audio/ComfyUI"),
+                                 io.DynamicCombo.Input("format", options=[
+                                     io.DynamicCombo.Option("flac", []),
+                                     io.DynamicCombo.Option("mp3", [io.Combo.Input("quality", options=["V0", "128k",
+                                                                                                       "320k"])]),
+                                     io.DynamicCombo.Option("opus", [io.Combo.Input("quality", options=[
+                                         "64k", "96k", "128k", "192k", "320k"])])])],
+                         hidden=[io.Hidden.prompt, io.Hidden.extra_pnginfo], is_output_node=True,
+                         outputs=[io.Audio.Output("audio")])
+
+    @classmethod
+    def execute(cls, audio, filename_prefix, format):
+        check_audio(audio)
+        SAVED.append({"node": "SaveAudioAdvanced", "prefix": filename_prefix, "audio": audio,
+                      "format": format["format"]})
+        return io.NodeOutput(audio, ui={"audio": [{"filename": f"{filename_prefix}_00001_.{format['format']}"}]})
 
 
 class SaveAudio(io.ComfyNode):
@@ -165,6 +191,6 @@ class LTXVConcatAVLatent(io.ComfyNode):
                               "samples": NestedTensor((video_latent["samples"], audio_latent["samples"]))})
 
 
-CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio,
+CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio, SaveAudioAdvanced,
                                                             EmptyMiniMaxH3LatentAV, LTXVSeparateAVLatent,
                                                             LTXVConcatAVLatent)}

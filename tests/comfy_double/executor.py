@@ -47,6 +47,43 @@ def _types_match(received: str, expected: str) -> bool:
     return bool(set(received.split(",")) & set(expected.split(",")))
 
 
+def live_inputs(sockets: list, values: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """(prompt key, socket) of every input the prompt's values make live: a dynamic combo's chosen option adds its
+    inputs under `<combo key>.<input id>` (ComfyUI's `get_finalized_class_inputs`); a combo holding an unknown key is
+    left out with them (ComfyUI neither validates it nor passes it)."""
+    live = []
+    for socket in sockets:
+        key = prefix + socket.id
+        if isinstance(socket, io.DynamicCombo.Input):
+            option = socket.option(values.get(key))
+            if option is not None:  # an unknown key: ComfyUI drops the combo, unvalidated and not passed
+                live.append((key, socket))
+                live.extend(live_inputs(option.inputs, values, key + "."))
+            continue
+        live.append((key, socket))
+    return live
+
+
+def nested_inputs(sockets: list, values: dict, prefix: str = "") -> dict:
+    """The keyword arguments ComfyUI passes: a dynamic combo becomes one dict of its key and its chosen option's
+    inputs, None for those the prompt leaves out (`build_nested_inputs`)."""
+    arguments = {}
+    for socket in sockets:
+        key = prefix + socket.id
+        if not isinstance(socket, io.DynamicCombo.Input):
+            if key in values:
+                arguments[socket.id] = values[key]
+            continue
+        option = socket.option(values.get(key))
+        if option is None:
+            continue
+        chosen = {socket.id: values[key]}
+        inner = nested_inputs(option.inputs, values, key + ".")
+        chosen.update({i.id: inner.get(i.id) for i in option.inputs})
+        arguments[socket.id] = chosen
+    return arguments
+
+
 def _run(value):
     return asyncio.run(value) if inspect.iscoroutine(value) else value
 
@@ -86,51 +123,54 @@ class PromptExecutor:
             argspec = inspect.getfullargspec(node_class.validate_inputs)
             validate_names, validate_kwargs = argspec.args[1:], argspec.varkw is not None
         errors = []
-        for socket in schema.inputs:
-            if socket.id not in inputs:
+        for key, socket in live_inputs(schema.inputs, inputs):
+            if key not in inputs:
                 if not socket.optional:
-                    errors.append(f"required input {socket.id!r} is missing")
+                    errors.append(f"required input {key!r} is missing")
                 continue
-            value = inputs[socket.id]
+            value = inputs[key]
             expected = socket.get_io_type()
             if _is_link(value):
                 source, slot = value
                 if source not in prompt:
-                    errors.append(f"{socket.id} links to missing node {source}")
+                    errors.append(f"{key} links to missing node {source}")
                     continue
                 source_outputs = self._schema(prompt[source]["class_type"]).outputs
                 if slot >= len(source_outputs):
-                    errors.append(f"{socket.id} links to output {slot} of node {source}, which has "
+                    errors.append(f"{key} links to output {slot} of node {source}, which has "
                                   f"{len(source_outputs)}")
                     continue
                 received = source_outputs[slot].io_type
                 if not _types_match(received, expected):
-                    errors.append(f"{socket.id}: received {received}, expects {expected}")
+                    errors.append(f"{key}: received {received}, expects {expected}")
                 continue
             if isinstance(value, list):
-                errors.append(f"{socket.id}: a list must be a [node_id, slot] link")
+                errors.append(f"{key}: a list must be a [node_id, slot] link")
                 continue
             try:
                 value = {"INT": int, "FLOAT": float, "STRING": str, "BOOLEAN": bool}.get(expected, lambda v: v)(value)
             except (TypeError, ValueError) as error:
-                errors.append(f"{socket.id}: cannot convert {value!r} to {expected} ({error})")
+                errors.append(f"{key}: cannot convert {value!r} to {expected} ({error})")
                 continue
-            inputs[socket.id] = value
-            if socket.id in validate_names or validate_kwargs:
+            inputs[key] = value
+            if key in validate_names or validate_kwargs:
                 continue
             low, high = getattr(socket, "min", None), getattr(socket, "max", None)
             if low is not None and value < low:
-                errors.append(f"{socket.id}: {value} is smaller than min {low}")
+                errors.append(f"{key}: {value} is smaller than min {low}")
             if high is not None and value > high:
-                errors.append(f"{socket.id}: {value} is bigger than max {high}")
+                errors.append(f"{key}: {value} is bigger than max {high}")
             if expected == "COMBO" and value not in socket.options:
-                errors.append(f"{socket.id}: {value!r} not in {socket.options}")
+                errors.append(f"{key}: {value!r} not in {socket.options}")
         if validate_names or validate_kwargs:
             values = {name: (None if _is_link(value) else value) for name, value in inputs.items()}
-            arguments = values if validate_kwargs else {name: values.get(name) for name in validate_names}
-            verdict = _run(node_class.validate_inputs(**arguments))
+            taken = {name: values.get(name) for name in (values if validate_kwargs else validate_names)}
+            # Like ComfyUI, the dynamic combos' dicts come too, whether or not validate_inputs names them.
+            dynamic = {name: value for name, value in nested_inputs(schema.inputs, values).items()
+                       if isinstance(value, dict)}
+            verdict = _run(node_class.validate_inputs(**{**taken, **dynamic}))
             if verdict is not True:  # ComfyUI reports it under every input validate_inputs takes
-                errors.extend(f"{name} - custom validation failed: {verdict}" for name in arguments)
+                errors.extend(f"{name} - custom validation failed: {verdict}" for name in taken)
         return errors
 
     # ---- execution -------------------------------------------------------------------------------------------------
@@ -147,7 +187,8 @@ class PromptExecutor:
                           else repr(value)))
         if overrides(node_class, "fingerprint_inputs"):
             constants = {k: v for k, v in spec["inputs"].items() if not _is_link(v)}
-            parts.append(("fingerprint", _run(node_class.fingerprint_inputs(**constants))))
+            arguments = nested_inputs(schema.inputs, constants)
+            parts.append(("fingerprint", _run(node_class.fingerprint_inputs(**arguments))))
         memo[node_id] = (spec["class_type"], tuple(parts), node_id if schema.not_idempotent else None)
         return memo[node_id]
 
@@ -173,14 +214,15 @@ class PromptExecutor:
             result.outputs[node_id] = self.cache[signature]
             return self.cache[signature]
         visiting.add(node_id)
-        kwargs = {}
-        for socket in schema.inputs:
-            if socket.id not in spec["inputs"]:
+        values = {}
+        for key, _ in live_inputs(schema.inputs, spec["inputs"]):
+            if key not in spec["inputs"]:
                 continue
-            value = spec["inputs"][socket.id]
+            value = spec["inputs"][key]
             if _is_link(value):
                 value = self._execute(prompt, value[0], result, extra_pnginfo, visiting)[value[1]]
-            kwargs[socket.id] = value
+            values[key] = value
+        kwargs = nested_inputs(schema.inputs, values)
         hidden = {}
         for item in schema.hidden:
             hidden[item.value] = {io.Hidden.unique_id: node_id, io.Hidden.prompt: prompt,

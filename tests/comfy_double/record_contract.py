@@ -19,9 +19,9 @@ from pathlib import Path
 CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
               "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA",
-              "H3StreamLatentToCore", "H3StreamLatentFromCore"]
-CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "EmptyMiniMaxH3LatentAV", "LTXVSeparateAVLatent",
-              "LTXVConcatAVLatent"]
+              "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamModelLoader"]
+CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "SaveAudioAdvanced", "EmptyMiniMaxH3LatentAV",
+              "LTXVSeparateAVLatent", "LTXVConcatAVLatent"]
 # (module, dotted attribute) of every callable whose signature the double must share.
 CALLABLES = [
     ("comfy_api.latest", "ComfyExtension.on_load"),
@@ -41,6 +41,8 @@ CALLABLES = [
     ("comfy_api.latest._io", "Float.Input.__init__"),
     ("comfy_api.latest._io", "String.Input.__init__"),
     ("comfy_api.latest._io", "Combo.Input.__init__"),
+    ("comfy_api.latest._io", "DynamicCombo.Input.__init__"),
+    ("comfy_api.latest._io", "DynamicCombo.Option.__init__"),
     ("comfy_api.latest._io", "Image.Input.__init__"),
     ("comfy_api.latest._io", "Image.Output.__init__"),
     ("comfy_api.latest._io", "Audio.Input.__init__"),
@@ -60,6 +62,7 @@ CALLABLES = [
     ("comfy.utils", "ProgressBar.update"),
     ("comfy.model_management", "get_torch_device"),
     ("comfy.model_management", "free_memory"),
+    ("comfy.model_management", "get_free_memory"),
     ("comfy.model_management", "soft_empty_cache"),
     ("comfy.model_management", "unload_all_models"),
     ("comfy.model_management", "throw_exception_if_processing_interrupted"),

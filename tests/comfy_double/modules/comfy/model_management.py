@@ -24,6 +24,7 @@ class _State:
         self.soft_empty_cache_calls = 0
         self.free_memory_calls: list[tuple[float, torch.device]] = []
         self.unload_all_calls = 0
+        self.free_bytes = 16 << 30  # what get_free_memory reports
 
 
 state = _State()
@@ -32,6 +33,10 @@ _lock = threading.RLock()
 
 def get_torch_device():
     return state.device
+
+
+def get_free_memory(dev=None, torch_free_too=False):
+    return (state.free_bytes, state.free_bytes) if torch_free_too else state.free_bytes
 
 
 def free_memory(memory_required, device, keep_loaded=[], for_dynamic=False, pins_required=0, ram_required=0):

@@ -252,6 +252,50 @@ class Combo(ComfyType):
         io_type = "COMBO"
 
 
+class DynamicCombo(ComfyType):
+    """A combo whose chosen option brings its own inputs. ComfyUI addresses them as `<combo id>.<input id>` in a
+    prompt and passes the node one dict: `{<combo id>: key, <input id>: value, ...}` of the chosen option."""
+
+    io_type = "COMFY_DYNAMICCOMBO_V3"
+
+    class Option:
+        def __init__(self, key: str, inputs: list):
+            self.key = key
+            self.inputs = inputs
+
+        def as_dict(self) -> dict:
+            return {"key": self.key, "inputs": input_dict_v1(self.inputs)}
+
+    class Input(Input):
+        io_type = "COMFY_DYNAMICCOMBO_V3"
+
+        def __init__(self, id: str, options: list, display_name: str = None, optional=False, tooltip: str = None,
+                     lazy: bool = None, extra_dict=None):
+            super().__init__(id, display_name, optional, tooltip, lazy, extra_dict)
+            self.options = options
+
+        def as_dict(self) -> dict:
+            return super().as_dict() | {"options": [option.as_dict() for option in self.options]}
+
+        @property
+        def is_widget(self) -> bool:
+            return True
+
+        def option(self, key):
+            return next((option for option in self.options if option.key == key), None)
+
+
+def input_dict_v1(inputs: list) -> dict:
+    """Inputs as `/object_info` lists them: {"required": {id: [type, options]}, "optional": {...}}."""
+    listed: dict = {"required": {}}
+    for socket in inputs:
+        options = socket.as_dict()
+        options.pop("optional", None)
+        listed.setdefault("optional" if socket.optional else "required", {})[socket.id] = [socket.get_io_type(),
+                                                                                           options]
+    return listed
+
+
 # ---- schema and nodes ----------------------------------------------------------------------------------------------
 
 
@@ -356,12 +400,7 @@ def overrides(node_class: type, method: str) -> bool:
 def node_info(node_class: type, python_module: str = "custom_nodes.h3-stream") -> dict:
     """The node as `GET /object_info/<id>` shows it."""
     schema = node_class.GET_SCHEMA()
-    inputs: dict = {"required": {}}
-    for socket in schema.inputs:
-        options = socket.as_dict()
-        options.pop("optional", None)
-        inputs.setdefault("optional" if socket.optional else "required", {})[socket.id] = [socket.get_io_type(),
-                                                                                           options]
+    inputs = input_dict_v1(schema.inputs)
     for hidden in schema.hidden:
         inputs.setdefault("hidden", {})[hidden.name] = [hidden.value]
     return {
