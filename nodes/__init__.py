@@ -12,6 +12,7 @@ from .latent_to_core import H3StreamLatentToCore
 from .loader import H3StreamLoader
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
+from .model_loader import H3StreamModelLoader
 from .model_sources import register_h3_folder
 from .sampler import H3StreamSampler
 from .text_encode import H3StreamTextEncode
@@ -29,6 +30,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamLoRA,
     H3StreamLatentToCore,
     H3StreamLatentFromCore,
+    H3StreamModelLoader,
 )
 
 

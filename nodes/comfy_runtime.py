@@ -38,6 +38,20 @@ def device_error(choice: str) -> str | None:
     return f"device {choice!r}: {problem}; choose auto or cpu." if problem else None
 
 
+def available_devices() -> list[str]:
+    """The device choices this machine can run (auto first): ComfyUI then refuses any other at validation, one
+    error on the device input."""
+    from h3_core.runtime.platform import device_problem
+
+    candidates = ["cpu", "cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()) if i > 0), "mps"]
+    return ["auto", *(choice for choice in candidates if device_problem(choice) is None)]
+
+
+def free_bytes(device: torch.device) -> int:
+    """What ComfyUI says is free on `device` now (host memory for the CPU)."""
+    return int(model_management.get_free_memory(device))
+
+
 def files_bytes(path) -> int:
     """Bytes of the safetensors files of one component (a single file or a folder)."""
     path = Path(path)

@@ -20,14 +20,16 @@ class H3StreamLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamLoader",
-            display_name="Load H3 (residency)",
+            display_name="Load H3 (residency, legacy)",
             category="H3 Stream",
-            description="Points at an H3 model and chooses, per component, whether its weights stay on the device or "
-                        "stream block by block from host memory. Loads nothing until a node needs a component.",
+            description="Superseded by Load H3 (memory profiles, source-specific inputs); kept so that saved "
+                        "workflows still load and run. Points at an H3 model and chooses, per component, whether "
+                        "its weights stay on the device or stream block by block from host memory.",
             search_aliases=["minimax h3", "h3 loader", "layerwise offload"],
             inputs=loader_inputs(),
             outputs=[H3Model.Output(display_name="h3_model")],
             hidden=[io.Hidden.unique_id],  # the node that shows a Hugging Face download's progress
+            is_deprecated=True,  # hidden from the node search; saved workflows keep working
         )
 
     @classmethod
@@ -52,7 +54,6 @@ class H3StreamLoader(io.ComfyNode):
                 video_vae=model_sources.NONE, audio_vae=model_sources.NONE, repo_id=model_sources.DEFAULT_REPO_ID,
                 mps_reclaim_every=0) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.pipeline import H3Pipeline
 
         problem = comfy_runtime.device_error(device)
         if problem:
@@ -70,9 +71,15 @@ class H3StreamLoader(io.ComfyNode):
                                                 diffusion_model=diffusion_model, text_encoder=text_encoder,
                                                 video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id,
                                                 node_id=cls.hidden.unique_id)
-        pipeline = H3Pipeline(sources, device=torch_device, dtype=settings.torch_dtype,
-                              component_options=settings.component_options(), **settings.keep_options(),
-                              log=log.info)
-        described = f"H3 {partition} from {source}: {settings.describe()}"
-        log.info(described)
-        return io.NodeOutput(H3ModelHandle(pipeline, settings, described))
+        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {source}"))
+
+
+def open_model(sources, settings: MemorySettings, device, what: str) -> H3ModelHandle:
+    """The handle both loaders output: a pipeline built with the settings (it loads nothing yet)."""
+    from h3_core.pipeline import H3Pipeline
+
+    pipeline = H3Pipeline(sources, device=device, dtype=settings.torch_dtype,
+                          component_options=settings.component_options(), **settings.keep_options(), log=log.info)
+    described = f"{what}: {settings.describe()}"
+    log.info(described)
+    return H3ModelHandle(pipeline, settings, described)

@@ -38,6 +38,8 @@ class MemorySettings:
     dtype: str = "auto"
     device: str = "cpu"
     mps_reclaim_every: int = 0
+    profile: str | None = None  # the memory profile these settings came from (None: set by hand)
+    profile_budget_bytes: int | None = None  # its budget: H3 Sampler plans each request's chunks within it
 
     @classmethod
     def build(cls, *, transformer: str, text_encoder: str, video_vae: str, audio_vae: str,
@@ -45,6 +47,18 @@ class MemorySettings:
         residency = (("transformer", transformer), ("text_encoder", text_encoder), ("video_vae", video_vae),
                      ("audio_vae", audio_vae))
         return cls(residency=residency, **values)
+
+    @classmethod
+    def from_plan(cls, plan, *, profile: str, dtype: str, device: str) -> "MemorySettings":
+        """A memory profile's settings: each component's residency from its residency plan (prefetch the device's
+        default, no resident blocks: the plan counts none); the budget goes to H3 Sampler's request plans."""
+        chosen = {c.name: (LAYERWISE_OFFLOAD if c.residency == "layerwise" else RESIDENT) for c in plan.components}
+        return cls.build(**chosen, dtype=dtype, device=device, profile=profile,
+                         profile_budget_bytes=plan.budget_bytes)
+
+    def core_residencies(self) -> dict[str, str]:
+        """Each component's residency in h3_core's spelling (a request plan fixes them)."""
+        return {name: _CORE_RESIDENCY[value] for name, value in self.residency}
 
     def residency_of(self, component: str) -> str:
         return dict(self.residency)[component]
@@ -119,6 +133,9 @@ class MemorySettings:
 
     def describe(self) -> str:
         placed = ", ".join(f"{name} {value.lower()}" for name, value in self.residency)
+        if self.profile is not None:
+            return (f"{self.device}, {self.dtype}: {placed}; memory profile {self.profile} "
+                    f"({self.profile_budget_bytes / 2**30:.1f} GiB)")
         extra = []
         if self.offloaded("transformer"):
             extra.append(f"prefetch {'auto' if self.prefetch < 0 else self.prefetch}")

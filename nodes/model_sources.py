@@ -22,6 +22,7 @@ COMFY_REPACK = "ComfyUI repack files"
 HUGGING_FACE = "Hugging Face repo"
 SOURCES = (TINY, H3_FOLDER, COMFY_REPACK, HUGGING_FACE)
 PARTITIONS = {"FL2VA": "fl2va", "Ref2VA": "ref2va"}
+TINY_PARTITIONS = ("FL2VA",)  # the embedded tiny model's transformers
 H3_FOLDER_KEY = "h3"
 # The first option of every file / folder combo and its default, so that a workflow saved on one machine validates on
 # any other (a combo value must be one of the options); it stands for "not chosen".

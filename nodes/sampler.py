@@ -60,6 +60,10 @@ class H3StreamSampler(io.ComfyNode):
             needed["video_vae"] = sources.video_vae
         comfy_runtime.free_memory_for(needed, settings, pipeline.device)
         unique_id = cls.hidden.unique_id
+        memory_budget = None
+        if settings.profile_budget_bytes is not None and chunk_size == 0:
+            memory_budget = request_chunk_budget(h3_model, shape, keyframes=h3_cond.has_keyframes, steps=steps,
+                                                 node_id=unique_id)
         # Synchronised first: MPS frees are deferred until the queued work completes.
         reclaim = (EveryNChunks(settings.mps_reclaim_every,
                                 Platform.for_device(pipeline.device).reclaim_action(comfy_runtime.soft_empty_cache))
@@ -71,7 +75,35 @@ class H3StreamSampler(io.ComfyNode):
                                       audio_shift=audio_shift,
                                       progress=lambda step, total: bar.update_absolute(step, total),
                                       check_interrupt=comfy_runtime.check_interrupt,
-                                      chunk_size=chunk_size if chunk_size > 0 else None, between_chunks=reclaim,
+                                      chunk_size=chunk_size if chunk_size > 0 else None,
+                                      memory_budget=memory_budget, between_chunks=reclaim,
                                       loras=h3_model.loras)
         comfy_runtime.soft_empty_cache()
         return io.NodeOutput(latents)
+
+
+def request_chunk_budget(h3_model, shape, *, keyframes: bool, steps: int, node_id) -> int | None:
+    """The loader's memory profile, planned for this request before the transformer loads: the bytes one row
+    chunk's temporaries may take (None: fused), or one error in this node's words when the request does not fit."""
+    from h3_core.errors import H3Error
+    from h3_core.pipeline.memory_profiles import request_plan
+    from h3_core.runtime.memory_plan import MemoryBudgetError
+
+    settings, pipeline = h3_model.settings, h3_model.pipeline
+    resident = tuple(name for name, _ in settings.residency if settings.keeps(name))
+    try:
+        plan = request_plan(pipeline.sources, budget_bytes=settings.profile_budget_bytes, device=settings.device,
+                            residencies=settings.core_residencies(), width=shape.width, height=shape.height,
+                            num_frames=shape.num_frames, keyframes=keyframes, steps=steps,
+                            dtype=settings.torch_dtype, loras=h3_model.loras, keep=resident)
+    except MemoryBudgetError as error:
+        why = error.args[0].splitlines()[0].rstrip(".")
+        raise H3Error(f"width {shape.width}, height {shape.height}, {shape.num_frames} frames do not fit the "
+                      f"loader's memory_profile {settings.profile!r}: {why}. Set a smaller width / height / seconds, "
+                      "or a larger memory_profile on the loader.") from None
+    chunks = ("fused" if plan.dit_chunk_budget is None else
+              f"row chunks of {plan.dit_chunk_budget / 2**20:.0f} MiB temporaries")
+    comfy_runtime.send_progress_text(node_id, f"memory_profile {settings.profile}: this request needs about "
+                                              f"{plan.peak_bytes / 2**30:.2f} GiB at its peak "
+                                              f"({plan.peak_phase.name}); transformer {chunks}.")
+    return plan.dit_chunk_budget

@@ -184,12 +184,15 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
 
     executor = PromptExecutor({**pack, **CORE_NODES})
     base = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    # A workflow saved with the legacy loader (the new one's mistakes: tests/test_model_loader.py).
+    loader = next(k for k, v in base.items() if v["class_type"] == "H3StreamModelLoader")
+    base[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LOADER)}
     executor.validate(json.loads(json.dumps(base)))  # the example itself is valid
     sampler = next(k for k, v in base.items() if v["class_type"] == "H3StreamSampler")
-    cases = [("1", "video_vae_residency", "layerwise", "video_vae_residency: 'layerwise' not in"),
-             ("1", "transformer_residency", "GPU", "transformer_residency: 'GPU' not in"),
-             ("1", "device", "cuda", "device - custom validation failed: device 'cuda': this PyTorch build has no "
-                                     "CUDA support"),
+    cases = [(loader, "video_vae_residency", "layerwise", "video_vae_residency: 'layerwise' not in"),
+             (loader, "transformer_residency", "GPU", "transformer_residency: 'GPU' not in"),
+             (loader, "device", "cuda", "device - custom validation failed: device 'cuda': this PyTorch build has no "
+                                        "CUDA support"),
              (sampler, "seconds", 0.0, "seconds: 0.0 is smaller than min 0.1"),
              (sampler, "frames", 40, "frames - custom validation failed: frames must be on the 17n + 5 grid")]
     for node, name, value, expected in cases:

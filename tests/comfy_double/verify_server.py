@@ -5,8 +5,9 @@
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
 outputs exist as non-empty files in the output folder.
-Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0) are refused
-with HTTP 400 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
+Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0, an unknown
+source or memory profile, Ref2VA on the tiny model; with Load H3 and with the legacy loader) are refused with HTTP 400
+and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
 """
 
@@ -21,9 +22,17 @@ import uuid
 from pathlib import Path
 
 PACK = Path(__file__).resolve().parents[2]
-NODE_IDS = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio",
+NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio",
             "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
             "H3StreamLatentFromCore"]
+
+
+# The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
+CUSTOM = {"transformer_residency": "LAYERWISE_OFFLOAD", "text_encoder_residency": "LAYERWISE_OFFLOAD",
+          "video_vae_residency": "RESIDENT", "audio_vae_residency": "RESIDENT", "prefetch": -1, "resident_blocks": 0,
+          "chunk_size": 0, "memory_budget_mib": 0, "mps_reclaim_every": 0}
+LEGACY_LOADER = {"source": "tiny test model (embedded)", "partition": "FL2VA", **{
+    k: v for k, v in CUSTOM.items() if k != "mps_reclaim_every"}, "dtype": "auto", "device": "auto"}
 
 
 def call(url: str, data: dict | None = None) -> dict:
@@ -61,6 +70,27 @@ def refused_once(server: str, prompt: dict, node: str, name: str, fragment: str)
     shown = [f"{n}.{e.get('extra_info', {}).get('input_name')}: {e.get('details')}" for n, e in errors]
     print(f"  {name} mistake: HTTP {code}, {len(errors)} error(s) {shown}{'' if ok else '  <-- FAILED'}")
     return ok
+
+
+def fails_when_run(server: str, prompt: dict, fragment: str) -> bool:
+    """`prompt` passes validation (ComfyUI checks no dynamic combo's own value) and its run ends in one error whose
+    message has `fragment`."""
+    queued = call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+    history = wait_for(server, queued["prompt_id"])
+    errors = [m[1] for m in history["status"].get("messages", []) if m[0] == "execution_error"]
+    ok = history["status"]["status_str"] == "error" and len(errors) == 1 and fragment in errors[0]["exception_message"]
+    shown = [f"{e['exception_type']}: {e['exception_message'][:160]}" for e in errors]
+    print(f"  accepted, then refused when run: {shown}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
+def wait_for(server: str, prompt_id: str) -> dict:
+    while True:
+        history = call(f"{server}/history/{prompt_id}").get(prompt_id)
+        if history and history.get("status", {}).get("completed") is not None and \
+                history["status"].get("status_str") in ("success", "error"):
+            return history
+        time.sleep(1)
 
 
 def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
@@ -115,7 +145,7 @@ def core_latent_prompt() -> dict:
     for spec in prompt.values():
         if spec["class_type"] in ("H3StreamDecodeVideo", "H3StreamDecodeAudio"):
             spec["inputs"]["h3_latent"] = ["93", 0]
-        if spec["class_type"] in ("SaveVideo", "SaveAudio"):
+        if spec["class_type"] in ("SaveVideo", "SaveAudioAdvanced"):
             spec["inputs"]["filename_prefix"] = "h3_stream/core_latent_round_trip"
     return prompt
 
@@ -123,7 +153,13 @@ def core_latent_prompt() -> dict:
 def prompts() -> list[tuple[str, dict]]:
     examples = [(path.name, json.loads(path.read_text()))
                 for path in sorted((PACK / "example_workflows" / "api").glob("*.json"))]
-    return examples + [("core latent round trip", core_latent_prompt())]
+    legacy = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    loader = next(k for k, v in legacy.items() if v["class_type"] == "H3StreamModelLoader")
+    legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
+    for spec in legacy.values():
+        if "filename_prefix" in spec["inputs"]:
+            spec["inputs"]["filename_prefix"] = "h3_stream/legacy_loader"
+    return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)]
 
 
 def main() -> int:
@@ -135,13 +171,7 @@ def main() -> int:
     for name, prompt in prompts():
         started = time.time()
         queued = call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
-        prompt_id = queued["prompt_id"]
-        while True:
-            history = call(f"{server}/history/{prompt_id}").get(prompt_id)
-            if history and history.get("status", {}).get("completed") is not None and \
-                    history["status"].get("status_str") in ("success", "error"):
-                break
-            time.sleep(1)
+        history = wait_for(server, queued["prompt_id"])
         status = history["status"]["status_str"]
         files = saved_files(history["outputs"])
         present = [f for f in files if (output_dir / f.get("subfolder", "") / f["filename"]).is_file()
@@ -154,18 +184,31 @@ def main() -> int:
         if status != "success":
             print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
     example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
-    loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamLoader")
+    loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamSampler")
     cpu_only = call(f"{server}/system_stats")["devices"][0]["type"] == "cpu"
-    mistakes = [(loader, "video_vae_residency", "layerwise", "not in"),
-                (loader, "transformer_residency", "GPU", "not in"), (sampler, "seconds", 0, "smaller than min")]
+    custom = {"memory_profile": "custom", **{f"memory_profile.{name}": value for name, value in CUSTOM.items()}}
+    legacy = json.loads(json.dumps(example))
+    legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
+    mistakes = [(example, loader, "source.partition", "Ref2VA", {}, "not in"),
+                (example, loader, "memory_profile.video_vae_residency", "layerwise", custom, "not in"),
+                (example, loader, "memory_profile.transformer_residency", "GPU", custom, "not in"),
+                (example, sampler, "seconds", 0, {}, "smaller than min"),
+                (legacy, loader, "video_vae_residency", "layerwise", {}, "not in"),
+                (legacy, loader, "transformer_residency", "GPU", {}, "not in")]
     if cpu_only:
-        mistakes.append((loader, "device", "cuda", "device 'cuda'"))
+        mistakes += [(example, loader, "device", "cuda", {}, "not in"),
+                     (legacy, loader, "device", "cuda", {}, "device 'cuda'")]
     print("API prompt mistakes:")
-    for node, name, value, fragment in mistakes:
-        prompt = json.loads(json.dumps(example))
+    for base, node, name, value, also, fragment in mistakes:
+        prompt = json.loads(json.dumps(base))
+        prompt[node]["inputs"].update(also)
         prompt[node]["inputs"][name] = value
         failures += not refused_once(server, prompt, node, name, fragment)
+    for name, value in (("source", "tiny"), ("memory_profile", "24GB")):
+        prompt = json.loads(json.dumps(example))
+        prompt[loader]["inputs"][name] = value
+        failures += not fails_when_run(server, prompt, f"{name} {value!r} is not one of")
     example[sampler]["inputs"]["seed"] = int(time.time())  # not a cached result: the nodes must run
     failures += not only_the_queuing_client_hears(server, example)
     return 1 if failures else 0

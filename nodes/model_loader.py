@@ -1,0 +1,91 @@
+"""H3StreamModelLoader: where the model is (each source shows only its own inputs) and the memory it may use (a
+profile planned from the checkpoint headers, or every value by hand). Nothing is loaded here: the pipeline loads each
+component when its phase first needs it."""
+
+from __future__ import annotations
+
+import logging
+
+from comfy_api.latest import io
+
+from . import comfy_runtime, model_sources
+from .loader import open_model
+from .loader_inputs import model_loader_inputs
+from .memory_settings import MemorySettings
+from .sockets import H3Model
+
+log = logging.getLogger("h3_stream")
+
+
+class H3StreamModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamModelLoader",
+            display_name="Load H3",
+            category="H3 Stream",
+            description="Points at an H3 model and plans its memory: pick a memory profile (your GPU or Mac, or what "
+                        "is free now) and the node shows, before anything loads, which components stream block by "
+                        "block and what the weights need; or set every value by hand with custom. Loads nothing "
+                        "until a node needs a component.",
+            search_aliases=["minimax h3", "h3 loader", "layerwise offload", "memory profile"],
+            inputs=model_loader_inputs(),
+            outputs=[H3Model.Output(display_name="h3_model")],
+            # The node that shows the preflight and a download's progress; the prompt, to name a value ComfyUI drops.
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, source=None, **settings):
+        chosen = dict(source or {})
+        return model_sources.fingerprint(chosen.pop("source", None), **{k: v for k, v in chosen.items()
+                                                                         if k != "partition" and k != "repo_id"})
+
+    @classmethod
+    def execute(cls, dtype: str, device: str, source: dict | None = None,
+                memory_profile: dict | None = None) -> io.NodeOutput:
+        from h3_core.errors import H3Error
+        from h3_core.pipeline.memory_profiles import CUSTOM, PROFILES, profile_named, residency_plan
+
+        node_id = cls.hidden.unique_id
+        # ComfyUI validates neither dynamic combo's own value: an unknown one (an API prompt's typo) reaches here as
+        # a missing input, so it is named here, from the prompt as queued.
+        for name, given, choices in (("source", source, model_sources.SOURCES),
+                                     ("memory_profile", memory_profile, [*PROFILES, CUSTOM])):
+            if given is None:
+                raise H3Error(f"{name} {cls._queued(name)!r} is not one of {list(choices)}; choose one on Load H3.")
+        chosen = dict(source)
+        kind = chosen.pop("source")
+        partition = chosen.pop("partition", None) or "FL2VA"  # repack files: the transformer file decides
+        torch_device = comfy_runtime.torch_device(device)
+        sources = model_sources.resolve_sources(kind, partition, node_id=node_id,
+                                                **{k: v for k, v in chosen.items() if v is not None})
+        profile_name = memory_profile["memory_profile"]
+        if profile_name == CUSTOM:
+            values = {k: v for k, v in memory_profile.items() if k != "memory_profile"}
+            settings = MemorySettings.build(
+                transformer=values.pop("transformer_residency"), text_encoder=values.pop("text_encoder_residency"),
+                video_vae=values.pop("video_vae_residency"), audio_vae=values.pop("audio_vae_residency"),
+                dtype=dtype, device=str(torch_device), **values)
+            preflight = f"memory_profile custom: {settings.describe()}"
+        else:
+            profile = profile_named(profile_name)
+            free = comfy_runtime.free_bytes(torch_device) if profile.nominal_gib is None else None
+            settings_dtype = MemorySettings(residency=(), dtype=dtype).torch_dtype
+            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free,
+                                     dtype=settings_dtype)
+            settings = MemorySettings.from_plan(planned.plan, profile=profile_name, dtype=dtype,
+                                                device=str(torch_device))
+            preflight = planned.describe()
+            log.info("%s\n%s", preflight, planned.plan.describe())
+        refused = settings.admission_error()
+        if refused:
+            raise H3Error(f"memory_profile custom: {refused}")
+        comfy_runtime.send_progress_text(node_id, preflight)
+        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {kind}"))
+
+    @classmethod
+    def _queued(cls, name: str):
+        """The value the queued prompt gave this node's input `name` (None when there is none)."""
+        node = (cls.hidden.prompt or {}).get(str(cls.hidden.unique_id), {})
+        return node.get("inputs", {}).get(name)
