@@ -24,6 +24,7 @@ CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
 API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
 SEMVER = re.compile(r"^\d+\.\d+\.\d+$")
+FRONTEND_ONLY = {"MarkdownNote", "Note"}  # drawn by the frontend, never queued
 
 
 def is_widget(spec) -> bool:
@@ -38,22 +39,35 @@ def inputs_in_order(node_type: str):
             yield name, info["input"][group][name], group == "required"
 
 
+def _take_widgets(specs, values: list, inputs: dict, node_id, prefix: str = "") -> None:
+    """Widget values in the frontend's order: each widget, and right after a dynamic combo the widgets of the
+    option it holds (their prompt keys `<combo>.<input>`)."""
+    for name, spec in specs:
+        if not is_widget(spec):
+            continue
+        assert values, f"node {node_id}: no widget value left for {prefix}{name}"
+        value = inputs[prefix + name] = values.pop(0)
+        if spec[1].get("control_after_generate"):
+            assert values.pop(0) in CONTROL_AFTER_GENERATE, (node_id, name)
+        if spec[0] == "COMFY_DYNAMICCOMBO_V3":
+            option, = [o for o in spec[1]["options"] if o["key"] == value]
+            nested = [(n, s) for group in ("required", "optional") for n, s in option["inputs"].get(group, {}).items()]
+            _take_widgets(nested, values, inputs, node_id, f"{prefix}{name}.")
+
+
 def ui_to_api(workflow: dict) -> dict:
-    """What the frontend queues for a UI workflow: widget values by widget order, links as [origin id, slot]."""
+    """What the frontend queues for a UI workflow: widget values by widget order, links as [origin id, slot];
+    notes (frontend-only nodes) are not queued."""
     links = {link["id"]: link for link in workflow["links"]}
     prompt = {}
     for node in workflow["nodes"]:
+        if node["type"] in FRONTEND_ONLY:
+            continue
         assert node["type"] in OBJECT_INFO, f"node type {node['type']} has no recorded schema"
         assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
         values = list(node.get("widgets_values", []))
         inputs = {}
-        for name, spec, _ in inputs_in_order(node["type"]):
-            if not is_widget(spec):
-                continue
-            assert values, f"node {node['id']} ({node['type']}): no widget value left for {name}"
-            inputs[name] = values.pop(0)
-            if spec[1].get("control_after_generate"):
-                assert values.pop(0) in CONTROL_AFTER_GENERATE, (node["id"], name)
+        _take_widgets([(name, spec) for name, spec, _ in inputs_in_order(node["type"])], values, inputs, node["id"])
         assert not values, f"node {node['id']} ({node['type']}): {len(values)} widget values too many"
         for slot in node.get("inputs", []):
             if slot.get("link") is not None:
@@ -82,6 +96,9 @@ def test_ui_workflow_is_valid_workflow_json_1_0(path):
         for key in ("id", "type", "pos", "size", "flags", "order", "mode", "properties"):
             assert key in node, (node["id"], key)
         assert len(node["pos"]) == 2 and len(node["size"]) == 2
+        if node["type"] in FRONTEND_ONLY:
+            assert node["widgets_values"][0].startswith("## "), "a workflow's note opens with its title"
+            continue
         properties = node["properties"]
         assert properties["Node name for S&R"] == node["type"]
         assert properties["cnr_id"] == ("h3-stream" if node["type"].startswith("H3Stream") else "comfy-core")
@@ -99,7 +116,7 @@ def test_ui_workflow_is_valid_workflow_json_1_0(path):
         assert link["type"] == origin["outputs"][link["origin_slot"]]["type"] == slot["type"]
     for node in workflow["nodes"]:
         for output in node["outputs"]:
-            assert all(link_id in seen for link_id in output["links"])
+            assert all(link_id in seen for link_id in output["links"] or [])  # the frontend writes null: none
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
@@ -116,7 +133,8 @@ def test_api_workflow_matches_the_recorded_node_schemas(path):
     for node_id, node in prompt.items():
         info = OBJECT_INFO[node["class_type"]]
         known = {name: (spec, required) for name, spec, required in inputs_in_order(node["class_type"])}
-        assert set(node["inputs"]) <= set(known), (node_id, set(node["inputs"]) - set(known))
+        top = {name for name in node["inputs"] if "." not in name or name.split(".")[0] not in known}
+        assert top <= set(known), (node_id, top - set(known))
         for name, (spec, required) in known.items():
             if name not in node["inputs"]:
                 assert not required, f"node {node_id}: required input {name} missing"
@@ -129,12 +147,20 @@ def test_api_workflow_matches_the_recorded_node_schemas(path):
                 assert value in options["options"], (node_id, name, value)
             elif spec[0] == "COMFY_DYNAMICCOMBO_V3":
                 assert value in [option["key"] for option in options["options"]], (node_id, name, value)
+                option, = [o for o in options["options"] if o["key"] == value]
+                for inner, inner_spec in option["inputs"].get("required", {}).items():
+                    key = f"{name}.{inner}"
+                    assert key in node["inputs"], f"node {node_id}: {key} missing"
+                    if inner_spec[0] == "COMBO":
+                        assert node["inputs"][key] in inner_spec[1]["options"], (node_id, key)
             elif spec[0] in ("INT", "FLOAT"):
                 assert options.get("min", value) <= value <= options.get("max", value), (node_id, name, value)
         assert info["name"] == node["class_type"]
     types = [node["class_type"] for node in prompt.values()]
-    assert {"CreateVideo", "SaveVideo", "SaveAudio"} <= set(types)
-    saves = {node["class_type"]: node for node in prompt.values() if node["class_type"] in ("SaveVideo", "SaveAudio")}
+    assert {"H3StreamModelLoader", "CreateVideo", "SaveVideo", "SaveAudioAdvanced"} <= set(types)
+    assert not any(OBJECT_INFO[t].get("deprecated") for t in types), "examples use current nodes only"
+    saves = {node["class_type"]: node for node in prompt.values()
+             if node["class_type"] in ("SaveVideo", "SaveAudioAdvanced")}
     assert prompt[saves["SaveVideo"]["inputs"]["video"][0]]["class_type"] == "CreateVideo"
 
 
@@ -161,14 +187,15 @@ def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     sampler = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamSampler")
     frames = sampler["frames"] or frames_for_seconds(sampler["seconds"])
     video, audio = SAVED
-    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudio"
+    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudioAdvanced" and audio["format"] == "flac"
     assert tuple(video["images"].shape) == (frames, sampler["height"], sampler["width"], 3)
     assert video["frame_rate"] == 24
     assert video["audio"] is audio["audio"]  # the same AUDIO feeds the video and the audio file
     waveform = audio["audio"]["waveform"]
     assert waveform.shape == (1, 2, audio_samples_for_frames(frames)) and audio["audio"]["sample_rate"] == 32000
     assert torch.isfinite(waveform).all() and torch.isfinite(video["images"]).all()
-    output_nodes = {node_id for node_id, node in prompt.items() if node["class_type"] in ("SaveVideo", "SaveAudio")}
+    output_nodes = {node_id for node_id, node in prompt.items()
+                    if node["class_type"] in ("SaveVideo", "SaveAudioAdvanced")}
     assert output_nodes <= set(result.ui)
 
 
