@@ -33,6 +33,8 @@ class H3StreamModelLoader(io.ComfyNode):
             outputs=[H3Model.Output(display_name="h3_model")],
             # The node that shows the preflight and a download's progress; the prompt, to name a value ComfyUI drops.
             hidden=[io.Hidden.unique_id, io.Hidden.prompt],
+            # Its UI output (the preflight) is sent again on runs that take the loader from the cache.
+            has_intermediate_output=True,
         )
 
     @classmethod
@@ -82,7 +84,9 @@ class H3StreamModelLoader(io.ComfyNode):
         if refused:
             raise H3Error(f"memory_profile custom: {refused}")
         comfy_runtime.send_progress_text(node_id, preflight)
-        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {kind}"))
+        # Also its UI output, which ComfyUI sends again while the loader is cached (has_intermediate_output).
+        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {kind}"),
+                             ui={"h3_stream_preflight": [preflight]})
 
     @classmethod
     def _queued(cls, name: str):

@@ -77,6 +77,19 @@ for (const device of ["cpu", "mps"]) {
       api.dispatch(event, {});
       result["after_" + event] = sampler.h3StreamBadge;
     }
+    const modelLoader = makeNode(4, "H3StreamModelLoader", ["source", "memory_profile"]);
+    ext.nodeCreated(modelLoader);
+    const preflight = "memory_profile 24 GB GPU: plans for 21.60 GiB of 24 GB, at 1344x768, 124 frames: " +
+                      "text_encoder layerwise, transformer layerwise";
+    modelLoader.onExecuted({ h3_stream_preflight: [preflight] });
+    const lines = [];
+    const ctx2 = { save() {}, restore() {}, beginPath() {}, fill() {}, roundRect() {},
+                   measureText: (t) => ({ width: t.length * 6 }), fillText: (t, x, y) => lines.push([t, y]) };
+    api.dispatch("execution_start", {});
+    modelLoader.onDrawForeground(ctx2);
+    result.preflight = preflight;
+    result.preflight_lines = lines;
+    result.loader_height = modelLoader.size[1];
   }
 }
 console.log(JSON.stringify(result));
@@ -105,3 +118,8 @@ def test_memory_badge_and_mps_only_widgets(tmp_path):
     assert all(y > result["node_height"] for _, y in result["drawn"])
     # A run that starts, fails or is cancelled clears the badges of the previous one.
     assert [result[f"after_{e}"] for e in ("execution_start", "execution_error", "execution_interrupted")] == [None] * 3
+    # Load H3's preflight (its UI output, sent again by ComfyUI while the loader is cached): kept across runs, drawn
+    # under the node wrapped to its width (300 px here, 6 px a character in the stand-in).
+    lines = result["preflight_lines"]
+    assert " ".join(text for text, _ in lines) == result["preflight"] and len(lines) > 1
+    assert all(len(text) * 6 <= 290 for text, _ in lines) and all(y > result["loader_height"] for _, y in lines)

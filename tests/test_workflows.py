@@ -120,6 +120,17 @@ def test_ui_workflow_is_valid_workflow_json_1_0(path):
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_each_example_has_a_thumbnail_for_the_template_browser(path):
+    """ComfyUI's template browser shows `<name>.jpg` beside a custom node's example workflow (made from a real run:
+    tests/comfy_double/verify_server.py, then the browser check)."""
+    from PIL import Image
+
+    with Image.open(path.with_suffix(".jpg")) as thumbnail:
+        assert thumbnail.format == "JPEG" and thumbnail.width == 768 and 300 <= thumbnail.height <= 600
+    assert path.with_suffix(".jpg").stat().st_size < 200_000
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
 def test_ui_workflow_and_its_api_twin_are_the_same_graph(path):
     converted = ui_to_api(json.loads(path.read_text()))
     twin = json.loads((EXAMPLES / "api" / path.name).read_text())

@@ -54,6 +54,52 @@ function drawBadge(node) {
   };
 }
 
+function wrapLines(ctx, text, width) {
+  const lines = [];
+  let line = "";
+  for (const word of text.split(" ")) {
+    const candidate = line ? `${line} ${word}` : word;
+    if (line && ctx.measureText(candidate).width > width) {
+      lines.push(line);
+      line = word;
+    } else {
+      line = candidate;
+    }
+  }
+  if (line) lines.push(line);
+  return lines;
+}
+
+// Load H3's memory preflight: sent as the node's UI output, so ComfyUI sends it again when the loader's output is
+// cached and the text stays with the node across runs. Drawn under the node, wrapped to its width.
+function drawPreflight(node) {
+  const executed = node.onExecuted;
+  node.onExecuted = function (output) {
+    executed?.apply(this, arguments);
+    const text = output?.h3_stream_preflight?.[0];
+    if (text) {
+      this.h3StreamPreflight = text;
+      this.setDirtyCanvas?.(true, true);
+    }
+  };
+  const draw = node.onDrawForeground;
+  node.onDrawForeground = function (ctx) {
+    draw?.apply(this, arguments);
+    if (!this.h3StreamPreflight || this.flags?.collapsed) return;
+    ctx.save();
+    ctx.font = "11px sans-serif";
+    const lines = wrapLines(ctx, this.h3StreamPreflight, this.size[0] - 10);
+    const top = this.size[1] + 4;
+    ctx.fillStyle = "rgba(30, 50, 80, 0.9)";
+    ctx.beginPath();
+    ctx.roundRect?.(0, top, this.size[0], lines.length * 14 + 6, 5);
+    ctx.fill();
+    ctx.fillStyle = "#dde";
+    lines.forEach((line, index) => ctx.fillText(line, 5, top + 14 + index * 14));
+    ctx.restore();
+  };
+}
+
 app.registerExtension({
   name: "h3_stream.memory_badge",
   async setup() {
@@ -86,6 +132,7 @@ app.registerExtension({
   nodeCreated(node) {
     if (!NODE_IDS.has(node.comfyClass)) return;
     drawBadge(node);
+    if (node.comfyClass === "H3StreamModelLoader") drawPreflight(node);
     applyMpsVisibility(node);
   },
 });

@@ -417,6 +417,7 @@ def node_info(node_class: type, python_module: str = "custom_nodes.h3-stream") -
         "python_module": python_module,
         "category": schema.category,
         "output_node": schema.is_output_node,
+        "has_intermediate_output": schema.has_intermediate_output,
         "deprecated": schema.is_deprecated,
         "experimental": schema.is_experimental,
         "search_aliases": list(schema.search_aliases) or None,
