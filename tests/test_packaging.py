@@ -78,3 +78,19 @@ def test_ci_runs_the_readme_test_command():
     # The README's first command is the CLI on the embedded tiny model.
     first = readme.split("```bash", 1)[1].split("```", 1)[0]
     assert "python -m h3_core generate" in first.splitlines()[2]
+
+
+def test_a_built_wheel_holds_every_h3_core_module(tmp_path):
+    """`pip install .` (not only the editable install) gets the whole library: every module under h3_core/."""
+    import subprocess
+    import sys
+    import zipfile
+
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    wheel, = tmp_path.glob("h3_stream-*.whl")
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if name.startswith("h3_core/")}
+    expected = {str(path.relative_to(ROOT)) for path in (ROOT / "h3_core").rglob("*.py")
+                if "__pycache__" not in path.parts}
+    assert expected <= shipped, sorted(expected - shipped)
