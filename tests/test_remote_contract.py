@@ -346,3 +346,15 @@ def test_ctrl_c_in_the_cli_cancels_the_remote_job_and_writes_nothing(tmp_path):
     assert process.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("server,message", [
+    ("gpu-box:30010", "error: --server 'gpu-box:30010': not an http:// or https:// address"),
+    ("http://me:secret@gpu-box:30010", "error: --server: do not put credentials in the address; set the API key in "
+                                       "the H3_STREAM_API_KEY environment variable instead."),
+])
+def test_a_bad_server_flag_is_one_line_with_exit_code_2(server, message, tmp_path):
+    done = run_cli(["x", "--server", server, *CLI_REQUEST], tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
+    assert "secret" not in done.stderr
+
