@@ -61,7 +61,7 @@ def test_cancel_in_comfyui_cancels_the_job_on_the_server(pack):
 def test_a_failed_job_is_one_message_naming_the_server(pack):
     from h3_core.errors import RemoteError
 
-    with VideosApiServer(Behaviour(job_failure="out of memory")) as api:
+    with VideosApiServer(Behaviour(job_failure="out of memory", polls_until_done=0)) as api:
         with pytest.raises(RemoteError) as caught:
             run(pack, server_url=api.url, **REQUEST)
     assert str(caught.value) == (f"the server at {api.url} could not make the video (job video_1 failed): out of "
@@ -79,7 +79,7 @@ def test_the_key_comes_from_the_environment_and_stays_out_of_the_workflow(pack, 
     from comfy_api.latest._io import node_info
 
     monkeypatch.setenv("H3_STREAM_API_KEY", KEY)
-    with VideosApiServer(Behaviour(required_key=KEY)) as api:
+    with VideosApiServer(Behaviour(required_key=KEY, polls_until_done=0)) as api:
         images, _, _ = run(pack, server_url=api.url, **REQUEST)
     assert images.shape[0] == 5
     schema = node_info(pack["H3StreamGenerateRemote"])

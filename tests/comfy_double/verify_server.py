@@ -142,7 +142,7 @@ def remote_cancel_deletes_the_job(server: str) -> bool:
     from videos_api_server import Behaviour, VideosApiServer, make_mp4
 
     with VideosApiServer(Behaviour(endless=True, mp4=make_mp4())) as stand_in:
-        prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_remote.json")
+        prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json")
                                        .read_text()), stand_in.url)
         call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
         deadline = time.time() + 120
