@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 import comfy_double
 from videos_api_server import Behaviour, VideosApiServer
