@@ -29,3 +29,12 @@ class ResidencyError(H3Error):
 
 class PickleCheckpointError(CheckpointError):
     """A pickle-based checkpoint (.ckpt/.pt/.bin/...) was given; only safetensors are ever read."""
+
+
+class RemoteError(H3Error):
+    """A remote generation server refused, failed or could not be reached; the message names the server and what it
+    said. `status` is the HTTP status when one came back."""
+
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status

@@ -9,6 +9,7 @@ from .decode_audio import H3StreamDecodeAudio
 from .decode_video import H3StreamDecodeVideo
 from .latent_from_core import H3StreamLatentFromCore
 from .latent_to_core import H3StreamLatentToCore
+from .generate_remote import H3StreamGenerateRemote
 from .loader import H3StreamLoader
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
@@ -31,6 +32,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamLatentToCore,
     H3StreamLatentFromCore,
     H3StreamModelLoader,
+    H3StreamGenerateRemote,
 )
 
 

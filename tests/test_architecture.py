@@ -19,6 +19,9 @@ PACKAGE = ROOT / "h3_core"
 LAYERS = ("base", "runtime", "models", "checkpoints", "pipeline")
 BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values"}
 FACADE = {"h3_core", "h3_core.__main__"}
+# Packages that belong to a layer without being named after it: `remote/` is the pipeline layer's other executor (a
+# server instead of this machine), used by the CLI beside the local pipeline.
+LAYER_OF_PACKAGE = {"remote": "pipeline"}
 PLATFORM_MODULE = "h3_core.runtime.platform"
 
 
@@ -37,6 +40,8 @@ def layer_of(name: str) -> str:
     if name in BASE_MODULES:
         return "base"
     parts = name.split(".")
+    if len(parts) >= 2 and parts[1] in LAYER_OF_PACKAGE:
+        return LAYER_OF_PACKAGE[parts[1]]
     if len(parts) >= 2 and parts[1] in LAYERS:
         return parts[1]
     raise AssertionError(f"{name} belongs to no layer: put it in a layer folder or add it to the base modules")

@@ -23,6 +23,9 @@ WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO", "COMFY_DYNAMICCOMB
 CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
 API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
+# The examples that run on this machine (the remote-engine example runs on a server: its own test below).
+LOCAL_API_FILES = [p for p in API_FILES if "H3StreamSampler" in p.read_text()]
+REMOTE_API_FILES = [p for p in API_FILES if "H3StreamGenerateRemote" in p.read_text()]
 SEMVER = re.compile(r"^\d+\.\d+\.\d+$")
 FRONTEND_ONLY = {"MarkdownNote", "Note"}  # drawn by the frontend, never queued
 
@@ -186,7 +189,7 @@ def executor(tmp_path_factory):
     return PromptExecutor({**comfy_double.load_pack(), **CORE_NODES})
 
 
-@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", LOCAL_API_FILES, ids=lambda p: p.stem)
 def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     from comfy_double.core_nodes import SAVED
     from h3_core.pipeline.layout import frames_for_seconds
@@ -231,3 +234,33 @@ def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(execu
     sampling, = [data for event, data, _ in server.PromptServer.instance.messages
                  if event == "h3_stream.memory" and data["phase"] == "sampling"]
     assert sampling["lora_files"] == 1 and sampling["lora_bytes_moved"] > 0
+
+
+def test_every_example_is_run_by_a_test():
+    assert sorted(LOCAL_API_FILES + REMOTE_API_FILES) == API_FILES and REMOTE_API_FILES
+
+
+@pytest.mark.parametrize("path", REMOTE_API_FILES, ids=lambda p: p.stem)
+def test_remote_example_runs_against_a_videos_api_server(path, executor):
+    """The remote-engine example against the local videos-API stand-in (tests/videos_api_server.py, a contract test,
+    not SGLang): its server address and, to keep the stand-in's mp4 small, its canvas and length are pointed at the
+    test server's; the graph, the nodes and the saves are the example's."""
+    from comfy_double.core_nodes import SAVED
+    from h3_core.pipeline.media import audio_samples_for_frames
+    from videos_api_server import Behaviour, VideosApiServer, make_mp4
+
+    prompt = json.loads(path.read_text())
+    remote = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamGenerateRemote")
+    assert remote["server_url"].startswith("http://") and (remote["width"], remote["height"]) == (1344, 768)
+    SAVED.clear()
+    with VideosApiServer(Behaviour(polls_until_done=0, mp4=make_mp4(num_frames=5, width=96, height=64))) as server:
+        remote.update(server_url=server.url, width=96, height=64, frames=5)
+        result = executor.run(prompt)
+        assert len(server.requests("POST", "^/v1/videos$")) == 1
+    video, audio = SAVED
+    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudio"
+    assert tuple(video["images"].shape) == (5, 64, 96, 3) and video["frame_rate"] == 24
+    assert video["audio"] is audio["audio"]
+    assert audio["audio"]["waveform"].shape == (1, 2, audio_samples_for_frames(5))
+    assert audio["audio"]["sample_rate"] == 32000
+    assert {k for k, n in prompt.items() if n["class_type"] in ("SaveVideo", "SaveAudio")} <= set(result.ui)

@@ -140,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the .mp4 to write (H.264 + AAC; without PyAV: STEM_frames/ PNGs and STEM.wav beside it). "
                         "Written under a temporary name and renamed when complete: an existing file is replaced "
                         "only by a finished video")
+    g.add_argument("--server", metavar="URL",
+                   help="run on an SGLang diffusion server serving H3 (its OpenAI-style videos API, e.g. "
+                        "http://gpu-box:30010) instead of this machine; --model and the memory flags are then ignored. "
+                        "API key: the H3_STREAM_API_KEY environment variable")
     g.add_argument("--yes-large", action="store_true",
                    help="run a request past the large-request thresholds (canvas over 1920x1088 pixels, more than "
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
@@ -223,7 +227,7 @@ def resolve_frames(args, defaults, say) -> int:
 
 def check_arguments(args, say) -> dict:
     """Every check that needs no model, in the flags' words, before anything is resolved or loaded."""
-    tiny = args.model is None
+    tiny = args.model is None and not getattr(args, "server", None)
     defaults = TINY_DEFAULTS if tiny else MODEL_DEFAULTS
     problem = device_problem(args.device)
     if problem:
@@ -295,11 +299,19 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     from .pipeline import H3Pipeline
     from .sources import resolve_model
 
+    if args.server:
+        from .remote_cli import check_remote_flags
+
+        check_remote_flags(args)
     request = check_arguments(args, say)
     out = request["out"]
     before = _identity(out)
     if outputs is not None:
         outputs.update(path=out, before=before)
+    if args.server:
+        from .remote_cli import generate_remote
+
+        return generate_remote(args, request, before, say, ProgressBar("remote job"))
     tiny = args.model is None
     width, height, num_frames, steps, loras = (request[k] for k in ("width", "height", "num_frames", "steps",
                                                                     "loras"))

@@ -186,3 +186,40 @@ def save_generation(path, frames: torch.Tensor, waveform: torch.Tensor, fps: int
     if prefer_mp4 and have_pyav():
         return [write_mp4(path, frames, waveform, fps, sample_rate)]
     return write_frames_and_wav(path, frames, waveform, fps, sample_rate)
+
+
+def read_mp4(path, sample_rate: int = AUDIO_SAMPLE_RATE, source: str | None = None):
+    """An mp4 with a video and an audio track -> (frames [F, H, W, 3] float32 in [0, 1], waveform [2, N] float32 at
+    `sample_rate`, frames per second). The audio is resampled to `sample_rate` stereo when it is in another form.
+    `source` names the video in errors (default: the path)."""
+    try:
+        import av
+    except ImportError:
+        raise H3Error("reading an mp4 needs PyAV: pip install 'h3-stream[video]' (or pip install av).") from None
+    source = source or str(path)
+    try:
+        with av.open(str(path), "r") as container:
+            if not container.streams.video:
+                raise H3Error(f"{source}: the file has no video track.")
+            if not container.streams.audio:
+                raise H3Error(f"{source}: the file has no audio track (H3 makes video with stereo audio).")
+            video = container.streams.video[0]
+            rate = video.average_rate
+            images = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+            container.seek(0)
+            resampler = av.AudioResampler(format="fltp", layout="stereo", rate=sample_rate)
+            blocks = []
+            for frame in container.decode(audio=0):
+                frame.pts = None  # the resampler keeps its own clock
+                blocks.extend(block.to_ndarray() for block in resampler.resample(frame))
+            blocks.extend(block.to_ndarray() for block in resampler.resample(None))
+    except H3Error:
+        raise
+    except (OSError, ValueError, getattr(av, "FFmpegError", OSError)) as exc:
+        raise H3Error(f"{source}: cannot decode the mp4 ({exc}); it is truncated or not a video file.") from None
+    if not images:
+        raise H3Error(f"{source}: the video track has no frames.")
+    frames = torch.from_numpy(np.stack(images)).float().div_(255.0)
+    audio = np.concatenate(blocks, axis=1) if blocks else np.zeros((2, 0), dtype=np.float32)
+    fps = float(rate) if rate else float(FPS)
+    return frames, torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)), fps

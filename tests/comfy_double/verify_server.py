@@ -9,6 +9,9 @@ Mistakes in an API prompt (a residency that is not a widget value, a device the 
 source or memory profile, Ref2VA on the tiny model; with Load H3 and with the legacy loader) are refused with HTTP 400
 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
+The remote-engine example runs against a local videos-API stand-in (tests/videos_api_server.py) started here, its
+server address and canvas pointed at it; a second, endless remote job is cancelled with /interrupt and must be deleted
+on the stand-in.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 PACK = Path(__file__).resolve().parents[2]
 NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio",
             "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
-            "H3StreamLatentFromCore"]
+            "H3StreamLatentFromCore", "H3StreamGenerateRemote"]
 
 
 # The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
@@ -150,8 +153,16 @@ def core_latent_prompt() -> dict:
     return prompt
 
 
-def prompts() -> list[tuple[str, dict]]:
-    examples = [(path.name, json.loads(path.read_text()))
+def pointed_at(prompt: dict, url: str) -> dict:
+    """A remote-engine prompt sent to the stand-in at `url`, at the stand-in's canvas (96x64, 5 frames)."""
+    for spec in prompt.values():
+        if spec["class_type"] == "H3StreamGenerateRemote":
+            spec["inputs"].update(server_url=url, width=96, height=64, frames=5, seed=int(time.time()))
+    return prompt
+
+
+def prompts(stand_in_url: str) -> list[tuple[str, dict]]:
+    examples = [(path.name, pointed_at(json.loads(path.read_text()), stand_in_url))
                 for path in sorted((PACK / "example_workflows" / "api").glob("*.json"))]
     legacy = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     loader = next(k for k, v in legacy.items() if v["class_type"] == "H3StreamModelLoader")
@@ -162,13 +173,37 @@ def prompts() -> list[tuple[str, dict]]:
     return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)]
 
 
+def remote_cancel_deletes_the_job(server: str) -> bool:
+    """Queue the remote example against an endless stand-in job, press Cancel (/interrupt): the job is deleted."""
+    from videos_api_server import Behaviour, VideosApiServer, make_mp4
+
+    with VideosApiServer(Behaviour(endless=True, mp4=make_mp4())) as stand_in:
+        prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json")
+                                       .read_text()), stand_in.url)
+        call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+        deadline = time.time() + 120
+        while not stand_in.requests("GET", "^/v1/videos/video_1$") and time.time() < deadline:
+            time.sleep(0.2)
+        urllib.request.urlopen(urllib.request.Request(f"{server}/interrupt", data=b"{}", method="POST",
+                                                      headers={"Content-Type": "application/json"}), timeout=60)
+        while not stand_in.deleted and time.time() < deadline:
+            time.sleep(0.2)
+        ok = stand_in.deleted == ["video_1"]
+    print(f"remote cancel: job deleted on the server: {ok}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
 def main() -> int:
     server, output_dir = sys.argv[1].rstrip("/"), Path(sys.argv[2])
     info = call(f"{server}/object_info")
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
-    for name, prompt in prompts():
+    sys.path.insert(0, str(PACK / "tests"))
+    from videos_api_server import Behaviour, VideosApiServer, make_mp4
+
+    stand_in = VideosApiServer(Behaviour(polls_until_done=1, mp4=make_mp4())).__enter__()
+    for name, prompt in prompts(stand_in.url):
         started = time.time()
         queued = call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
         history = wait_for(server, queued["prompt_id"])
@@ -183,6 +218,8 @@ def main() -> int:
         print(f"{name}: {status} in {time.time() - started:.1f} s; saved {names}{'' if ok else '  <-- FAILED'}")
         if status != "success":
             print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
+    stand_in.__exit__(None, None, None)
+    failures += not remote_cancel_deletes_the_job(server)
     example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamSampler")

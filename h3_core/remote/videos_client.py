@@ -1,0 +1,191 @@
+"""VideosClient: HTTP to one videos-API server (standard library only), with timeouts, capped exponential backoff on
+connection errors and 5xx answers (never on 4xx), checked downloads, and an API key that never reaches a message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Callable
+
+from ..errors import H3Error, RemoteError
+from . import protocol
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+CHUNK_BYTES = 1 << 20
+
+
+def check_server_url(url, name: str = "server URL") -> str:
+    """`http(s)://host[:port][/prefix]`, without a trailing slash; credentials in the URL are refused (they would be
+    echoed in messages: the key belongs in the environment)."""
+    if not isinstance(url, str) or not url.strip():
+        raise H3Error(f"{name} is empty; give the server's address, e.g. http://gpu-box:30010.")
+    text = url.strip()
+    parsed = urllib.parse.urlsplit(text)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise H3Error(f"{name} {text!r}: not an http:// or https:// address; write it as http://HOST:PORT, e.g. "
+                      "http://gpu-box:30010 (sglang serve's --port).")
+    if parsed.username or parsed.password:
+        raise H3Error(f"{name}: do not put credentials in the address; set the API key in the {protocol.API_KEY_ENV} "
+                      "environment variable instead.")
+    try:
+        parsed.port
+    except ValueError:
+        raise H3Error(f"{name} {text!r}: the port is not a number from 1 to 65535.") from None
+    if parsed.query or parsed.fragment:
+        raise H3Error(f"{name} {text!r}: give the server's base address only (no ?query or #fragment).")
+    return text.rstrip("/")
+
+
+def _reason(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, BaseException):
+        exc = reason
+    text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        text = "timed out"
+    return text
+
+
+TRANSIENT = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, http.client.HTTPException, OSError)
+
+
+class _Truncated(Exception):
+    def __init__(self, got: int, expected: int):
+        super().__init__(f"got {got} of {expected} bytes")
+        self.got, self.expected = got, expected
+
+
+class VideosClient:
+    """`attempts` tries per request in all; the wait before try n+1 is `backoff * 2**(n-1)` seconds, capped at
+    `max_backoff`. `timeout` bounds each connect and each read. `wait(seconds)` does the waiting (the engine's checks
+    for a cancel while it waits)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 30.0, attempts: int = 5,
+                 backoff: float = 1.0, max_backoff: float = 30.0, wait: Callable[[float], None] = time.sleep):
+        self.base_url = check_server_url(base_url)
+        self._api_key = api_key or None
+        self.timeout, self.attempts, self.backoff, self.max_backoff = timeout, max(1, int(attempts)), backoff, max_backoff
+        self.wait = wait
+        host = urllib.parse.urlsplit(self.base_url).hostname
+        # Loopback needs no proxy (and an HTTP_PROXY set for the internet must not capture it).
+        handlers = [urllib.request.ProxyHandler({})] if host in LOOPBACK_HOSTS else []
+        self._opener = urllib.request.build_opener(*handlers)
+
+    # -- messages --------------------------------------------------------------------------------------------------
+
+    def redact(self, text: str) -> str:
+        """`text` with the API key (should a server echo it) replaced."""
+        if self._api_key:
+            text = text.replace(self._api_key, "***")
+        return text
+
+    def _error(self, message: str, status: int | None = None) -> RemoteError:
+        return RemoteError(self.redact(message), status=status)
+
+    # -- requests --------------------------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, body: dict | None, timeout: float):
+        headers = {"Accept": "application/json"}
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode("utf-8")
+            headers["Content-Type"] = "application/json"
+        if self._api_key:
+            headers[protocol.AUTHORIZATION_HEADER] = protocol.authorization_value(self._api_key)
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
+        return self._opener.open(request, timeout=timeout)
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
+
+    def _with_retries(self, method: str, path: str, call, attempts: int | None = None):
+        """Run `call()` (which opens and reads one response) until it succeeds, a 4xx comes back, or the attempts
+        are spent; connection errors, timeouts, truncated bodies and 5xx are retried after a backoff."""
+        attempts = attempts or self.attempts
+        where = f"{method} {self.base_url}{path}"
+        last = ""
+        status = None
+        for attempt in range(1, attempts + 1):
+            try:
+                return call()
+            except urllib.error.HTTPError as exc:
+                message = protocol.error_body_message(exc.read() or b"") or exc.reason or ""
+                if exc.code < 500:
+                    raise self._error(f"the server refused {where} (HTTP {exc.code}): {message}", exc.code) from None
+                status, last = exc.code, f"HTTP {exc.code}: {message}"
+            except _Truncated as exc:
+                last = f"the response was cut short ({exc})"
+            except TRANSIENT as exc:
+                last = _reason(exc)
+            if attempt < attempts:
+                self.wait(self._delay(attempt))
+        raise self._error(f"{where} failed {attempts} time(s), last: {last}. Check that the server runs there "
+                          "(sglang serve ... --port) and is reachable from this machine.", status)
+
+    def get_json(self, path: str, *, attempts: int | None = None) -> dict:
+        return self._json("GET", path, None, attempts)
+
+    def post_json(self, path: str, body: dict) -> dict:
+        return self._json("POST", path, body, None)
+
+    def delete(self, path: str, *, attempts: int = 1) -> None:
+        """Best effort (a cancel must not hang on a server that is gone): one try by default, a 404 is fine."""
+        def call():
+            with self._request("DELETE", path, None, self.timeout) as response:
+                response.read()
+        try:
+            self._with_retries("DELETE", path, call, attempts)
+        except RemoteError as exc:
+            if exc.status != 404:
+                raise
+
+    def _json(self, method: str, path: str, body, attempts) -> dict:
+        def call():
+            with self._request(method, path, body, self.timeout) as response:
+                raw = response.read()
+            try:
+                parsed = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                raise self._error(f"{method} {self.base_url}{path} answered something that is not JSON "
+                                  f"({raw[:80]!r}); is this an SGLang diffusion server?") from None
+            if not isinstance(parsed, dict):
+                raise self._error(f"{method} {self.base_url}{path} answered JSON that is not an object; is this an "
+                                  "SGLang diffusion server?")
+            return parsed
+        return self._with_retries(method, path, call, attempts)
+
+    def download(self, path: str, destination, check: Callable[[], None] | None = None) -> int:
+        """Stream the body of `GET path` into the open binary file `destination` (rewound and truncated before each
+        try); a body shorter than its Content-Length is retried like a dropped connection. Returns the bytes
+        written. `check()` runs between chunks (a cancel)."""
+        def call():
+            destination.seek(0)
+            destination.truncate()
+            with self._request("GET", path, None, self.timeout) as response:
+                length = response.headers.get("Content-Length")
+                expected = int(length) if length and length.isdigit() else None
+                got = 0
+                while True:
+                    if check is not None:
+                        check()
+                    try:
+                        chunk = response.read(CHUNK_BYTES)
+                    except http.client.IncompleteRead as exc:
+                        raise _Truncated(got + len(exc.partial), expected or 0) from None
+                    if not chunk:
+                        break
+                    destination.write(chunk)
+                    got += len(chunk)
+            if expected is not None and got != expected:
+                raise _Truncated(got, expected)
+            if got == 0:
+                raise self._error(f"GET {self.base_url}{path} answered an empty body instead of the video.")
+            destination.flush()
+            return got
+        return self._with_retries("GET", path, call)

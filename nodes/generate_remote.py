@@ -1,0 +1,75 @@
+"""H3StreamGenerateRemote: one request to an SGLang diffusion server running H3 (h3_core.remote.RemoteEngine) ->
+IMAGE frames, AUDIO and the frame rate, as the local Decode Video / Decode Audio nodes give them."""
+
+from __future__ import annotations
+
+from comfy_api.latest import io
+
+from . import comfy_runtime
+from .request_inputs import canvas_error, canvas_inputs, frame_count_error, sampler_inputs, shift_error
+
+# The local sampler's widgets that mean something to a server (chunk_size is this machine's memory setting).
+REMOTE_SAMPLER_INPUTS = ("seconds", "frames", "steps", "seed", "video_shift", "audio_shift")
+
+
+class H3StreamGenerateRemote(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        from h3_core.remote.protocol import API_KEY_ENV
+
+        return io.Schema(
+            node_id="H3StreamGenerateRemote",
+            display_name="H3 Generate (remote server)",
+            category="H3 Stream",
+            description="Sends the request to an SGLang diffusion server running MiniMax H3 across its GPUs (the "
+                        "OpenAI-style videos API) and decodes its mp4 into IMAGE frames and 32 kHz stereo AUDIO. "
+                        "Progress follows the server's status; Cancel cancels the job on the server. The API key "
+                        f"is read from the {API_KEY_ENV} environment variable, never stored in the workflow.",
+            inputs=[
+                io.String.Input("server_url", default="http://127.0.0.1:30010",
+                                tooltip="The server's address: sglang serve --model-path MiniMaxAI/MiniMax-H3 "
+                                        "--model-variant fl2va ... --port 30010."),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="Shots, camera and the sound (dialogue, effects, music) in one text."),
+                *canvas_inputs(),
+                *[widget for widget in sampler_inputs() if widget.id in REMOTE_SAMPLER_INPUTS],
+                io.Image.Input("first_frame", optional=True, tooltip="FL2VA: the video starts on this image."),
+                io.Image.Input("last_frame", optional=True, tooltip="FL2VA: the video ends on this image."),
+            ],
+            outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio"),
+                     io.Float.Output(display_name="fps")],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def validate_inputs(cls, width, height, frames) -> bool | str:
+        return canvas_error(width, height) or frame_count_error(None, frames) or True
+
+    @classmethod
+    def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
+                first_frame=None, last_frame=None) -> io.NodeOutput:
+        from h3_core.errors import H3Error
+        from h3_core.pipeline.layout import AUDIO_SAMPLE_RATE, frames_for_seconds
+        from h3_core.remote import RemoteEngine
+        from h3_core.remote.videos_client import check_server_url
+
+        error = (canvas_error(width, height) or frame_count_error(seconds, frames)
+                 or shift_error(video_shift=video_shift, audio_shift=audio_shift))
+        if error:
+            raise H3Error(error)
+        url = check_server_url(server_url, "server_url")
+        node_id = cls.hidden.unique_id
+        engine = RemoteEngine(url, partition="fl2va",
+                              log=lambda message: comfy_runtime.log.info("h3-stream node %s: %s", node_id, message))
+        comfy_runtime.check_interrupt()
+        comfy_runtime.send_progress_text(node_id, f"{url}: {engine.describe_server()}")
+        bar = comfy_runtime.progress_bar(100, node_id=node_id)
+        result = engine.generate(prompt, width=width, height=height,
+                                 num_frames=frames if frames > 0 else frames_for_seconds(seconds), steps=steps,
+                                 seed=seed, first_frame=first_frame, last_frame=last_frame, video_shift=video_shift,
+                                 audio_shift=audio_shift,
+                                 progress=lambda done, total: bar.update_absolute(done, total),
+                                 check_interrupt=comfy_runtime.check_interrupt,
+                                 on_status=lambda text: comfy_runtime.send_progress_text(node_id, f"remote job {text}"))
+        return io.NodeOutput(result.frames, {"waveform": result.waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},
+                             float(result.fps))

@@ -1,0 +1,360 @@
+"""Contract tests of the remote engine (h3_core.remote) against the videos API as SGLang documents it.
+
+The server here is tests/videos_api_server.py, a local stand-in written from the documentation (h3_core/remote/
+protocol.py names what was read), not SGLang: these tests show the client keeps that contract — including each
+documented failure — not that a real server behaves exactly so. No test reaches the internet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3_core.errors import H3Error, RemoteError
+from h3_core.pipeline.media import audio_samples_for_frames
+from h3_core.remote import RemoteEngine, protocol
+from h3_core.remote.videos_client import VideosClient, check_server_url
+from videos_api_server import Behaviour, VideosApiServer, make_mp4, source_frames
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUEST = dict(width=96, height=64, num_frames=5, steps=3, seed=7)
+KEY = "sk-h3-contract-0123456789"
+
+
+def engine(server, **options) -> RemoteEngine:
+    return RemoteEngine(server.url, **{"poll_interval": 0.01, "backoff": 0.01, "attempts": 3, **options})
+
+
+@pytest.fixture
+def work_dir(tmp_path):
+    folder = tmp_path / "work"
+    folder.mkdir()
+    return folder
+
+
+# ---- the happy path ---------------------------------------------------------------------------------------------
+
+
+def test_a_completed_job_decodes_to_frames_in_0_1_and_32k_stereo(work_dir):
+    seen = []
+    with VideosApiServer() as server:
+        result = engine(server, work_dir=work_dir).generate("A fox in the snow.", **REQUEST,
+                                                             progress=lambda done, total: seen.append((done, total)))
+        post, = server.requests("POST", "^/v1/videos$")
+    assert result.frames.shape == (5, 64, 96, 3) and result.frames.dtype == torch.float32
+    assert 0.0 <= result.frames.min() and result.frames.max() <= 1.0
+    reference = torch.from_numpy(source_frames(5, 64, 96)).float() / 255  # what the server encoded (lossy H.264)
+    assert (result.frames - reference).abs().mean() < 0.03
+    assert result.waveform.shape == (2, audio_samples_for_frames(5)) and result.sample_rate == 32000
+    assert result.fps == 24 and result.waveform.abs().max() > 0.2  # the test tones, not silence
+    assert seen[-1] == (100, 100) and [d for d, _ in seen] == sorted(d for d, _ in seen)
+    body = post.body
+    assert body["prompt"] == "A fox in the snow." and body["task"] == "t2va" and body["conditions"] == []
+    assert (body["width"], body["height"], body["size"], body["num_frames"], body["fps"]) == (96, 64, "96x64", 5, 24)
+    assert body["num_inference_steps"] == 2 and body["seed"] == 7  # 3 sigma points = 2 model calls
+    assert (body["flow_shift"], body["audio_flow_shift"]) == (12.0, 3.0)
+    assert list(work_dir.iterdir()) == []  # the download is gone once decoded
+
+
+def test_audio_in_another_rate_is_resampled_to_32k():
+    with VideosApiServer(Behaviour(mp4=make_mp4(sample_rate=48000))) as server:
+        result = engine(server).generate("x", **REQUEST)
+    assert result.waveform.shape == (2, audio_samples_for_frames(5)) and result.waveform.abs().max() > 0.2
+
+
+def test_keyframes_are_fitted_locally_and_sent_as_fl2va_conditions():
+    from PIL import Image
+
+    first = Image.new("RGB", (300, 200), (200, 10, 10))
+    with VideosApiServer() as server:
+        engine(server).generate("x", **REQUEST, first_frame=first, last_frame=first)
+        body = server.requests("POST", "^/v1/videos$")[0].body
+    assert body["task"] == "fl2va"
+    assert [(c["type"], c["role"], c["frame_index"]) for c in body["conditions"]] == [
+        ("image", "keyframe", 0), ("image", "keyframe", -1)]
+    import base64
+    import io
+
+    sent = Image.open(io.BytesIO(base64.b64decode(body["conditions"][0]["uri"].split(",", 1)[1])))
+    assert sent.size == (96, 64) and sent.getpixel((48, 32)) == (200, 10, 10)
+
+
+# ---- failures: each one message, nothing retried that should not be ---------------------------------------------
+
+
+def test_a_4xx_shows_the_error_body_once_and_is_not_retried():
+    behaviour = Behaviour(create_errors=[(422, {"detail": "num_frames must be 17n+5"})])
+    with VideosApiServer(behaviour) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+        assert len(server.requests("POST")) == 1
+    message = str(caught.value)
+    assert message == (f"the server refused POST {server.url}/v1/videos (HTTP 422): num_frames must be 17n+5")
+    assert caught.value.status == 422
+
+
+def test_5xx_answers_are_retried_with_backoff_then_succeed():
+    behaviour = Behaviour(create_errors=[(503, {"detail": "busy"}), (500, b"Internal Server Error")])
+    with VideosApiServer(behaviour) as server:
+        result = engine(server).generate("x", **REQUEST)
+        assert len(server.requests("POST")) == 3
+    assert result.frames.shape == (5, 64, 96, 3)
+
+
+def test_5xx_past_the_attempts_is_one_message_naming_the_last_answer():
+    behaviour = Behaviour(poll_errors=[(502, {"detail": "bad gateway"})] * 3)
+    with VideosApiServer(behaviour) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+        assert server.deleted == ["video_1"]  # the job it could not follow is cancelled
+    assert str(caught.value).startswith(f"GET {server.url}/v1/videos/video_1 failed 3 time(s), last: HTTP 502: "
+                                        "bad gateway. Check that the server runs there")
+
+
+def test_the_backoff_doubles_and_is_capped():
+    client = VideosClient("http://127.0.0.1:9", backoff=1.0, max_backoff=30.0)
+    assert [client._delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
+
+
+def test_an_unreachable_server_is_retried_then_one_message():
+    waits = []
+    with VideosApiServer() as server:
+        url = server.url
+    client = VideosClient(url, attempts=3, backoff=0.5, wait=waits.append)  # the port is closed now
+    with pytest.raises(RemoteError) as caught:
+        client.get_json("/models")
+    assert waits == [0.5, 1.0]
+    assert str(caught.value).startswith(f"GET {url}/models failed 3 time(s), last: Connection refused.")
+
+
+def test_a_failed_job_says_what_the_server_said_and_is_not_cancelled():
+    with VideosApiServer(Behaviour(job_failure="CUDA out of memory on rank 3")) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+        assert server.deleted == [] and server.requests("GET", "/content$") == []
+    assert str(caught.value) == (f"the server at {server.url} could not make the video (job video_1 failed): "
+                                 "CUDA out of memory on rank 3")
+
+
+class Cancelled(BaseException):
+    """What a UI's cancel raises (ComfyUI's InterruptProcessingException, the CLI's KeyboardInterrupt)."""
+
+
+def test_a_cancelled_slow_job_is_deleted_on_the_server_and_leaves_nothing(work_dir):
+    checks = []
+
+    def check_interrupt():
+        checks.append(1)
+        if len(checks) > 5:
+            raise Cancelled
+
+    with VideosApiServer(Behaviour(endless=True)) as server:
+        with pytest.raises(Cancelled):
+            engine(server, work_dir=work_dir).generate("x", **REQUEST, check_interrupt=check_interrupt)
+        assert server.deleted == ["video_1"] and server.requests("GET", "/content$") == []
+    assert list(work_dir.iterdir()) == []
+
+
+def test_a_job_past_its_timeout_is_cancelled_with_one_message():
+    with VideosApiServer(Behaviour(endless=True)) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server, job_timeout=0.2).generate("x", **REQUEST)
+        assert server.deleted == ["video_1"]
+    assert str(caught.value) == (f"the job video_1 on {server.url} did not finish within 0.2 s (job_timeout); it "
+                                 "was cancelled. Give a longer job_timeout for long videos.")
+
+
+def test_a_download_cut_short_once_is_fetched_again():
+    with VideosApiServer(Behaviour(truncated_downloads=1)) as server:
+        result = engine(server).generate("x", **REQUEST)
+        assert len(server.requests("GET", "/content$")) == 2
+    assert result.frames.shape == (5, 64, 96, 3)
+
+
+def test_a_download_always_cut_short_is_one_message_and_leaves_nothing(work_dir):
+    with VideosApiServer(Behaviour(truncated_downloads=10)) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server, work_dir=work_dir).generate("x", **REQUEST)
+        size = len(server.behaviour.mp4)
+    assert str(caught.value).startswith(f"GET {server.url}/v1/videos/video_1/content failed 3 time(s), last: the "
+                                        f"response was cut short (got {size // 2} of {size} bytes).")
+    assert list(work_dir.iterdir()) == []
+
+
+def test_a_video_of_another_size_is_refused_not_passed_on():
+    with VideosApiServer(Behaviour(mp4=make_mp4(width=64))) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+    assert str(caught.value) == (f"the video of job video_1 from {server.url} is 64x64 but 96x64 was asked; the "
+                                 "server does not honour the requested size (check its H3 version).")
+
+
+def test_a_video_without_audio_is_refused():
+    with VideosApiServer(Behaviour(mp4=make_mp4(audio=False))) as server:
+        with pytest.raises(H3Error, match="the file has no audio track"):
+            engine(server).generate("x", **REQUEST)
+
+
+# ---- refused before sending -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("info,options,request_extra,message", [
+    ({"model_path": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "pipeline_class": "WanPipeline"}, {}, {},
+     "serves Wan-AI/Wan2.1-T2V-1.3B-Diffusers, not MiniMax H3; start it with sglang serve --model-path "
+     "MiniMaxAI/MiniMax-H3 --model-variant fl2va."),
+    ({**Behaviour().info, "model_variant": "ref2va"}, {}, {"first_frame": "KEYFRAME"},
+     "serves H3's Ref2VA partition, which needs reference media; keyframes go to an FL2VA server"),
+    ({**Behaviour().info, "model_variant": "ref2va"}, {"partition": "fl2va"}, {},
+     "partition fl2va: the server at URL serves H3's REF2VA partition; point at a server started with "
+     "--model-variant fl2va, or ask for ref2va."),
+])
+def test_what_the_server_cannot_serve_is_refused_before_sending(info, options, request_extra, message, tmp_path):
+    from PIL import Image
+
+    if request_extra.get("first_frame") == "KEYFRAME":
+        request_extra = {"first_frame": Image.new("RGB", (96, 64))}
+    with VideosApiServer(Behaviour(info=info)) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server, **options).generate("x", **REQUEST, **request_extra)
+        assert server.requests("POST") == []
+    assert message.replace("URL", server.url) in str(caught.value)
+
+
+def test_local_lora_files_are_refused_before_anything_is_sent(tmp_path):
+    with VideosApiServer() as server:
+        with pytest.raises(H3Error, match="^loras: a remote server applies its own LoRAs"):
+            engine(server).generate("x", **REQUEST, loras=[(tmp_path / "a.safetensors", 1.0)])
+        assert server.seen == []
+
+
+def test_bad_requests_are_refused_as_the_local_pipeline_refuses_them():
+    with VideosApiServer() as server:
+        with pytest.raises(H3Error, match="^steps 1: must be at least 2"):
+            engine(server).generate("x", **{**REQUEST, "steps": 1})
+        assert server.seen == []
+
+
+@pytest.mark.parametrize("url,message", [
+    ("gpu-box:30010", "server URL 'gpu-box:30010': not an http:// or https:// address"),
+    ("http://user:pw@gpu-box:30010", "server URL: do not put credentials in the address; set the API key in the "
+                                     "H3_STREAM_API_KEY environment variable instead."),
+    ("http://gpu-box:99999", "server URL 'http://gpu-box:99999': the port is not a number from 1 to 65535."),
+    ("", "server URL is empty"),
+])
+def test_a_bad_server_url_is_one_message(url, message):
+    with pytest.raises(H3Error) as caught:
+        check_server_url(url)
+    assert str(caught.value).startswith(message)
+
+
+# ---- the API key --------------------------------------------------------------------------------------------------
+
+
+def test_the_api_key_comes_from_the_environment_and_never_appears_in_a_message(monkeypatch):
+    monkeypatch.setenv(protocol.API_KEY_ENV, KEY)
+    with VideosApiServer(Behaviour(required_key=KEY)) as server:
+        result = engine(server).generate("x", **REQUEST)
+        assert {s.headers.get("Authorization") for s in server.seen} == {f"Bearer {KEY}"}
+    assert result.frames.shape[0] == 5
+    # A server that echoes the credentials it got (in a 401 body, in a failed job) does not get them repeated.
+    monkeypatch.setenv(protocol.API_KEY_ENV, KEY + "-wrong")
+    logged = []
+    with VideosApiServer(Behaviour(required_key=KEY)) as server:
+        remote = engine(server, log=logged.append)
+        with pytest.raises(RemoteError) as caught:
+            remote.generate("x", **REQUEST)
+    assert "***" in str(caught.value) and KEY not in str(caught.value)
+    assert KEY not in repr(remote) and not any(KEY in line for line in logged)
+    monkeypatch.setenv(protocol.API_KEY_ENV, KEY)
+    with VideosApiServer(Behaviour(job_failure=f"token {KEY} has no quota")) as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+    assert str(caught.value).endswith("token *** has no quota")
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+
+
+def run_cli(args, cwd, **env):
+    environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8", **env)
+    return subprocess.run([sys.executable, "-m", "h3_core", "generate", *args], cwd=cwd, env=environment,
+                          capture_output=True, text=True, timeout=120)
+
+
+CLI_REQUEST = ["--size", "96x64", "--frames", "5", "--steps", "3"]
+
+
+def test_the_cli_writes_the_same_kind_of_mp4_from_a_remote_job(tmp_path):
+    import av
+
+    with VideosApiServer(Behaviour(polls_until_done=0)) as server:
+        done = run_cli(["A fox.", "--server", server.url, *CLI_REQUEST, "--model", "/models/H3", "--out", "fox.mp4"],
+                       tmp_path, H3_STREAM_API_KEY=KEY)
+    assert done.returncode == 0, done.stderr
+    assert "note: --model is ignored with --server" in done.stdout
+    assert "wrote fox.mp4\n" in done.stdout
+    with av.open(str(tmp_path / "fox.mp4")) as container:  # as a local run writes it: H.264 + AAC 32 kHz stereo
+        video, audio = container.streams.video[0], container.streams.audio[0]
+        assert (video.codec_context.name, video.width, video.height, video.average_rate) == ("h264", 96, 64, 24)
+        assert (audio.codec_context.name, audio.rate, audio.layout.name) == ("aac", 32000, "stereo")
+        assert sum(1 for _ in container.decode(video=0)) == 5
+    assert KEY not in done.stdout + done.stderr
+
+
+def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(tmp_path):
+    behaviour = Behaviour(create_errors=[(400, {"detail": "Invalid request body: seed"})], required_key=None)
+    with VideosApiServer(behaviour) as server:
+        done = run_cli(["x", "--server", server.url, *CLI_REQUEST, "--out", "x.mp4"], tmp_path)
+    assert done.returncode == 2
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert error_lines == [f"error: the server refused POST {server.url}/v1/videos (HTTP 400): Invalid request body: "
+                           "seed"]
+    assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
+
+
+def test_the_cli_refuses_local_loras_with_a_server(tmp_path):
+    lora = tmp_path / "turbo.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(lora))
+    done = run_cli(["x", "--server", "http://127.0.0.1:9", *CLI_REQUEST, "--lora", str(lora)], tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("error: --lora: a remote server applies its own LoRAs")
+
+
+def test_ctrl_c_in_the_cli_cancels_the_remote_job_and_writes_nothing(tmp_path):
+    with VideosApiServer(Behaviour(endless=True)) as server:
+        environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8")
+        process = subprocess.Popen([sys.executable, "-m", "h3_core", "generate", "x", "--server", server.url,
+                                    *CLI_REQUEST, "--out", "x.mp4"], cwd=tmp_path, env=environment,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not server.requests("GET", "^/v1/videos/video_1$") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        assert server.deleted == ["video_1"]
+    assert process.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("server,message", [
+    ("gpu-box:30010", "error: --server 'gpu-box:30010': not an http:// or https:// address"),
+    ("http://me:secret@gpu-box:30010", "error: --server: do not put credentials in the address; set the API key in "
+                                       "the H3_STREAM_API_KEY environment variable instead."),
+])
+def test_a_bad_server_flag_is_one_line_with_exit_code_2(server, message, tmp_path):
+    done = run_cli(["x", "--server", server, *CLI_REQUEST], tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
+    assert "secret" not in done.stderr
+
