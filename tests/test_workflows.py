@@ -129,7 +129,7 @@ def test_each_example_has_a_thumbnail_for_the_template_browser(path):
     from PIL import Image
 
     with Image.open(path.with_suffix(".jpg")) as thumbnail:
-        assert thumbnail.format == "JPEG" and thumbnail.width == 768 and 300 <= thumbnail.height <= 600
+        assert thumbnail.format == "JPEG" and thumbnail.width == 768 and 300 <= thumbnail.height <= 900
     assert path.with_suffix(".jpg").stat().st_size < 200_000
 
 
@@ -171,7 +171,8 @@ def test_api_workflow_matches_the_recorded_node_schemas(path):
                 assert options.get("min", value) <= value <= options.get("max", value), (node_id, name, value)
         assert info["name"] == node["class_type"]
     types = [node["class_type"] for node in prompt.values()]
-    assert {"H3StreamModelLoader", "CreateVideo", "SaveVideo", "SaveAudioAdvanced"} <= set(types)
+    assert {"CreateVideo", "SaveVideo", "SaveAudioAdvanced"} <= set(types)
+    assert {"H3StreamModelLoader", "H3StreamGenerateRemote"} & set(types)  # a local model, or a remote server
     assert not any(OBJECT_INFO[t].get("deprecated") for t in types), "examples use current nodes only"
     saves = {node["class_type"]: node for node in prompt.values()
              if node["class_type"] in ("SaveVideo", "SaveAudioAdvanced")}
@@ -258,9 +259,9 @@ def test_remote_example_runs_against_a_videos_api_server(path, executor):
         result = executor.run(prompt)
         assert len(server.requests("POST", "^/v1/videos$")) == 1
     video, audio = SAVED
-    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudio"
+    assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudioAdvanced"
     assert tuple(video["images"].shape) == (5, 64, 96, 3) and video["frame_rate"] == 24
     assert video["audio"] is audio["audio"]
     assert audio["audio"]["waveform"].shape == (1, 2, audio_samples_for_frames(5))
     assert audio["audio"]["sample_rate"] == 32000
-    assert {k for k, n in prompt.items() if n["class_type"] in ("SaveVideo", "SaveAudio")} <= set(result.ui)
+    assert {k for k, n in prompt.items() if n["class_type"] in ("SaveVideo", "SaveAudioAdvanced")} <= set(result.ui)

@@ -191,6 +191,6 @@ class LTXVConcatAVLatent(io.ComfyNode):
                               "samples": NestedTensor((video_latent["samples"], audio_latent["samples"]))})
 
 
-CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio, SaveAudioAdvanced,
-                                                            EmptyMiniMaxH3LatentAV, LTXVSeparateAVLatent,
-                                                            LTXVConcatAVLatent)}
+CORE_NODES = {cls.define_schema().node_id: cls for cls in (EmptyImage, CreateVideo, SaveVideo, SaveAudio,
+                                                            SaveAudioAdvanced, EmptyMiniMaxH3LatentAV,
+                                                            LTXVSeparateAVLatent, LTXVConcatAVLatent)}
