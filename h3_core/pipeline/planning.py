@@ -17,6 +17,7 @@ import torch
 
 from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
 from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED, resolve_dit_checkpoint, target_dtype
+from ..checkpoints.quantised import DEQUANTISED_DEFAULT_DTYPE
 from ..checkpoints.text_encoder_loader import (PHASE_SCOPED as TEXT_PHASE_SCOPED,
                                                STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX,
                                                resolve_text_encoder_checkpoint)
@@ -86,13 +87,27 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                   keyframes: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
-    targets = {spec.name: target_dtype(spec.name, ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
+    targets = {spec.name: target_dtype(spec.name, DEQUANTISED_DEFAULT_DTYPE if ckpt.quantised_bytes(spec) else
+                                       ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
                for spec in ckpt.specs}
     residual_dtype = targets.get("condition_proj.weight", torch.float32)
-    g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(targets[spec.name]),
-                 lambda n: n.split(".")[1] if n.startswith("blocks.") and ".adaln_proj." not in n else
-                 (f"adaln.{n.split('.')[1]}" if n.startswith("blocks.") else None),
-                 DIT_PHASE_SCOPED)
+
+    def unit_of(name):
+        return (name.split(".")[1] if name.startswith("blocks.") and ".adaln_proj." not in name else
+                (f"adaln.{name.split('.')[1]}" if name.startswith("blocks.") else None))
+
+    def dequantised(spec):
+        return ckpt.numel(spec) * _dtype_bytes(targets[spec.name])
+
+    def moved(spec):  # streamed quantised weights are stored, staged and copied at their quantised size
+        stored = ckpt.quantised_bytes(spec) if unit_of(spec.name) is not None else None
+        return dequantised(spec) if stored is None else stored
+
+    g = _grouped(ckpt, moved, unit_of, DIT_PHASE_SCOPED)
+    full = _grouped(ckpt, dequantised, unit_of, DIT_PHASE_SCOPED)
+    # A quantised unit is dequantised on the device beside the slots while it runs; resident, everything is.
+    quantised_units = {unit_of(spec.name) for spec in ckpt.specs if ckpt.quantised_bytes(spec)} - {None}
+    dequantised_unit = max((full["units"][u] for u in quantised_units), default=0)
     blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
     adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
     rows = packed_rows_estimate(shape)
@@ -115,7 +130,9 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
                                  companion_unit_bytes=max(adaln.values(), default=0), host_table_bytes=tables,
-                                 scratch_bytes=g["scratch"], unit_sizes=g["sizes"])
+                                 scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
+                                 dequantised_unit_bytes=dequantised_unit,
+                                 dequantised_extra_bytes=full["total"] - g["total"])
     return estimate, c, rows
 
 
