@@ -304,3 +304,104 @@ def test_missing_quant_extra_is_named(files, monkeypatch, fmt, module):
         h3_core.load_dit(paths[fmt])
     assert "pip install 'h3-stream[quant]'" in str(info.value)
     assert str(info.value).startswith(f"{paths[fmt]}: ")
+
+
+# ---- python -m h3_core quantize -------------------------------------------------------------------------------------
+
+QUANTIZE_OUTPUT = {"fp8": "out.safetensors", "int8": "out.safetensors", "q8_0": "out.gguf"}
+QUANTIZE_TOLERANCE = {"fp8": 0.05, "int8": 0.015, "q8_0": 0.01}
+
+
+def _reference_quantise(value: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The reference libraries' quantise-then-dequantise of one weight, in fp32."""
+    if fmt == "q8_0":
+        import gguf
+
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        blocks = gguf.quants.quantize(value.float().numpy(), qtype)
+        return torch.from_numpy(gguf.quants.dequantize(blocks, qtype)).reshape(value.shape)
+    from comfy_kitchen.tensor import QuantizedTensor
+
+    if fmt == "fp8":
+        qt = QuantizedTensor.from_float(value.float(), "TensorCoreFP8Layout", dtype=torch.float8_e4m3fn)
+    else:
+        qt = QuantizedTensor.from_float(value.float(), "TensorWiseINT8Layout", per_channel=True)
+    return reference_dequantised(qt, torch.float32)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "q8_0"])
+def test_quantize_round_trip(files, state, inputs, tmp_path, monkeypatch, fmt, capsys):
+    import weakref
+
+    from h3_core.pipeline.cli import main
+    from h3_core.runtime.host_store import HostTensor
+
+    paths, _ = files
+    made, alive_at_call = [], []
+    original = HostTensor.private_value
+
+    def tracked(self, reader):  # how many parameters read before are still alive when the next is read
+        alive_at_call.append(sum(ref() is not None for ref in made))
+        value = original(self, reader)
+        made.append(weakref.ref(value))
+        return value
+
+    monkeypatch.setattr(HostTensor, "private_value", tracked)
+    target = tmp_path / QUANTIZE_OUTPUT[fmt]
+    assert main(["quantize", str(paths["bf16"]), str(target), "--format", fmt]) == 0
+    monkeypatch.setattr(HostTensor, "private_value", original)
+    assert f"wrote {target}" in capsys.readouterr().out
+    assert max(alive_at_call) == 0 and len(made) == len(state) - 1  # one parameter at a time (rope recomputed)
+    assert not (tmp_path / (target.name + ".partial")).exists()
+    if fmt != "q8_0":  # the safetensors library reads the file as written
+        from safetensors.torch import load_file as reference_load
+
+        stored = reference_load(target)
+        assert stored[f"{COMFY_PREFIX}blocks.0.mlp.fc2.weight"].dtype == (torch.float8_e4m3fn if fmt == "fp8"
+                                                                          else torch.int8)
+        assert json.loads(bytes(stored[f"{COMFY_PREFIX}blocks.0.mlp.fc2.comfy_quant"].tolist()))["format"] == (
+            "float8_e4m3fn" if fmt == "fp8" else "int8_tensorwise")
+    params = _params(h3_core.load_dit(target, dtype=torch.float32))
+    for name, value in state.items():
+        if name == "rope.inv_freq":
+            continue
+        expected = _reference_quantise(value, fmt) if quantised_layer(name, value) else value.float()
+        assert torch.equal(params[name], expected), name
+    with torch.no_grad():
+        reference = h3_core.load_dit(paths["bf16"], dtype=torch.float32)(**inputs)
+        got = h3_core.load_dit(target, dtype=torch.float32)(**inputs)
+    assert all(rel_l2(a, b) <= QUANTIZE_TOLERANCE[fmt] for a, b in zip(got, reference))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["SRC", "{tmp}/out.safetensors", "--format", "q8_0"], "{tmp}/out.safetensors: a q8_0 file is written as .gguf; "
+                                                           "name the output 'out.gguf'."),
+    (["SRC", "{tmp}/missing/out.gguf", "--format", "q8_0"], "{tmp}/missing/out.gguf: the folder {tmp}/missing does "
+                                                            "not exist; create it first."),
+    (["QUANTISED", "{tmp}/out.gguf", "--format", "q8_0"], "QUANTISED: is already quantised ("),
+])
+def test_quantize_refuses_bad_arguments_with_one_message(files, tmp_path, capsys, argv, message):
+    from h3_core.pipeline.cli import main
+
+    paths, _ = files
+    names = {"SRC": str(paths["bf16"]), "QUANTISED": str(paths["int8_rowwise"]), "{tmp}": str(tmp_path)}
+
+    def fill(text):
+        for key, value in names.items():
+            text = text.replace(key, value)
+        return text
+
+    assert main(["quantize"] + [fill(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: " + fill(message)) and "Traceback" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_quantise_api_names_an_unknown_format(files, tmp_path):
+    from h3_core.checkpoints.quantiser import quantise_checkpoint
+    from h3_core.errors import H3Error
+
+    paths, _ = files
+    with pytest.raises(H3Error) as info:
+        quantise_checkpoint(paths["bf16"], tmp_path / "out.gguf", "q4_k")
+    assert str(info.value) == "format='q4_k' is not a quantisation h3-stream writes; use one of fp8, int8, q8_0."
