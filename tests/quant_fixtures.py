@@ -44,7 +44,7 @@ def bf16_state(config: H3DiTConfig = QCFG, seed: int = 0) -> dict[str, torch.Ten
     return {k: v if k == "rope.inv_freq" else v.to(torch.bfloat16) for k, v in state.items()}
 
 
-def kitchen_quantise(value: torch.Tensor, fmt: str):
+def kitchen_quantise(value: torch.Tensor, fmt: str, convrot_group: int = CONVROT_GROUP):
     """`(QuantizedTensor, comfy_quant config)` of one weight, by comfy-kitchen's own quantiser."""
     from comfy_kitchen.tensor import QuantizedTensor
 
@@ -58,8 +58,8 @@ def kitchen_quantise(value: torch.Tensor, fmt: str):
                 {"format": "int8_tensorwise"})
     if fmt == "int8_convrot":
         return (QuantizedTensor.from_float(value, "TensorWiseINT8Layout", per_channel=True, convrot=True,
-                                           convrot_groupsize=CONVROT_GROUP),
-                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": CONVROT_GROUP})
+                                           convrot_groupsize=convrot_group),
+                {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": convrot_group})
     if fmt in ("nvfp4", "nvfp4_awq"):
         return QuantizedTensor.from_float(value, "TensorCoreNVFP4Layout"), {"format": "nvfp4"}
     raise ValueError(fmt)
