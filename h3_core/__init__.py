@@ -14,7 +14,6 @@ This module is the public facade: the names below stay importable from `h3_core`
 from .checkpoints.audio_vae_loader import load_audio_vae
 from .checkpoints.dit_loader import load_dit, resolve_dit_checkpoint
 from .checkpoints.lora_loader import LoraError, read_lora, set_loras
-from .checkpoints.quantiser import quantise_checkpoint
 from .checkpoints.text_encoder_loader import load_text_encoder
 from .checkpoints.video_vae_loader import load_video_vae
 from .errors import CheckpointError, H3Error, PickleCheckpointError
@@ -77,7 +76,6 @@ __all__ = [
     "load_video_vae",
     "patchify",
     "plan_for_budget",
-    "quantise_checkpoint",
     "read_lora",
     "resolve_dit_checkpoint",
     "row_timesteps",

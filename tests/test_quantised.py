@@ -398,9 +398,10 @@ def test_quantize_refuses_bad_arguments_with_one_message(files, tmp_path, capsys
 
 
 def test_quantise_api_names_an_unknown_format(files, tmp_path):
+    from h3_core.checkpoints.quantiser import quantise_checkpoint
     from h3_core.errors import H3Error
 
     paths, _ = files
     with pytest.raises(H3Error) as info:
-        h3_core.quantise_checkpoint(paths["bf16"], tmp_path / "out.gguf", "q4_k")
+        quantise_checkpoint(paths["bf16"], tmp_path / "out.gguf", "q4_k")
     assert str(info.value) == "format='q4_k' is not a quantisation h3-stream writes; use one of fp8, int8, q8_0."
