@@ -58,15 +58,29 @@ def h3_folder_choices() -> list[str]:
     return [NONE] + sorted(names)
 
 
-def file_choices(key: str, prefix: str) -> list[str]:
-    """Files of one standard model folder, the H3 ones (by the repack's naming) first."""
+def gguf_files(key: str) -> list[str]:
+    """`.gguf` files of a standard model folder, named as ComfyUI names its files (relative, '/'): ComfyUI's own
+    listing leaves them out (not one of its torch extensions)."""
+    found = set()
+    for root in folder_paths.get_folder_paths(key):
+        for folder, _, names in os.walk(root, followlinks=True):
+            found.update(os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names
+                         if n.lower().endswith(".gguf"))
+    return sorted(found)
+
+
+def file_choices(key: str, prefix: str, *, gguf: bool = False) -> list[str]:
+    """Files of one standard model folder, the H3 ones (by the repack's naming) first; quantised repacks
+    (`..._int8_convrot`, `..._fp8_scaled`, `..._nvfp4`) are listed like the others, and with `gguf` the `.gguf`
+    files too."""
     files = [name for name in folder_paths.get_filename_list(key) if name.endswith((".safetensors", ".sft"))]
+    files += gguf_files(key) if gguf else []
     h3 = sorted(name for name in files if os.path.basename(name).startswith(prefix))
     return [NONE] + h3 + sorted(set(files) - set(h3))
 
 
 def diffusion_model_choices() -> list[str]:
-    return file_choices("diffusion_models", "minimax_h3")
+    return file_choices("diffusion_models", "minimax_h3", gguf=True)  # the transformer also reads GGUF files
 
 
 def text_encoder_choices() -> list[str]:

@@ -251,6 +251,24 @@ def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     assert model_sources.fingerprint(model_sources.COMFY_REPACK, **repack) != before  # the loader re-runs
 
 
+def test_quantised_repacks_and_gguf_files_are_listed(pack):
+    import folder_paths
+
+    model_sources = comfy_double.pack_module("nodes.model_sources")
+    models = Path(folder_paths.models_dir)
+    for name in ("minimax_h3_fl2va_bf16.safetensors", "minimax_h3_fl2va_int8_convrot.safetensors",
+                 "minimax_h3_fl2va_Q8_0.gguf", "other.gguf"):
+        (models / "diffusion_models" / name).write_bytes(b"")
+    (models / "unet" / "sub").mkdir()
+    (models / "unet" / "sub" / "minimax_h3_ref2va_Q4_K.gguf").write_bytes(b"")
+    (models / "text_encoders" / "qwen3vl_32b_minimax_h3_int8_convrot.safetensors").write_bytes(b"")
+    assert model_sources.diffusion_model_choices() == [
+        "(none)", "minimax_h3_fl2va_Q8_0.gguf", "minimax_h3_fl2va_bf16.safetensors",
+        "minimax_h3_fl2va_int8_convrot.safetensors", "sub/minimax_h3_ref2va_Q4_K.gguf", "other.gguf"]
+    assert "qwen3vl_32b_minimax_h3_int8_convrot.safetensors" in model_sources.text_encoder_choices()
+    assert folder_paths.get_full_path("diffusion_models", "sub/minimax_h3_ref2va_Q4_K.gguf") is not None
+
+
 def test_hugging_face_source_respects_offline_mode(pack, monkeypatch, tmp_path):
     from h3_core.errors import CheckpointError, H3Error
 

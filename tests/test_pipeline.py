@@ -251,6 +251,10 @@ def test_resolve_official_partition_and_comfy_layouts(tmp_path):
     s = resolve_model(comfy)
     assert s.transformer.name == "minimax_h3_fl2va_bf16.safetensors"  # pruned / quantised variants skipped
     assert s.audio_vae.name == "minimax_h3_audio_vae_fp32.safetensors"
+    # Without the bf16 release, a quantised repack is taken (never the pruned variant).
+    (comfy / "diffusion_models/minimax_h3_fl2va_bf16.safetensors").unlink()
+    (comfy / "diffusion_models/minimax_h3_fl2va_int8_convrot.safetensors").write_bytes(b"")
+    assert resolve_model(comfy).transformer.name == "minimax_h3_fl2va_int8_convrot.safetensors"
 
 
 def test_resolve_errors(tmp_path):

@@ -357,3 +357,37 @@ def test_mps_admission_refuses_a_resident_vae_before_reading_anything(tmp_path, 
     # Layerwise is admitted: the next thing checked is the (missing) path.
     with pytest.raises(h3_core.CheckpointError, match="no such file or folder"):
         load(tmp_path / "missing", device="mps", residency="layerwise")
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "float8_e4m3fn"])
+def test_quantised_video_vae_dequantises_as_comfy_kitchen_and_streams_exactly(video_file, video_inputs, tmp_path,
+                                                                            fmt):
+    """A ComfyUI quantised video VAE (its decoder's transformer matrices, as in the int8 ConvRot repack, with the
+    QKV rows and their per-row scales stored per head interleaved): each weight equals comfy-kitchen's
+    dequantisation (in float32, de-interleaved), and layerwise decodes bit for bit as resident."""
+    pytest.importorskip("comfy_kitchen")
+    from safetensors.torch import load_file
+
+    from quant_fixtures import kitchen_quantise, reference_dequantised
+
+    state = load_file(str(video_file))
+    kitchen = {}
+    for key in [k for k, v in state.items() if ".transformer_blocks." in k and v.ndim == 2
+                and k.endswith(".weight")]:
+        qt, config = kitchen_quantise(state[key].to(torch.bfloat16), fmt, convrot_group=16)
+        state.update(qt.state_dict(key))
+        state[key[: -len(".weight")] + ".comfy_quant"] = torch.tensor(list(json.dumps(config).encode()),
+                                                                      dtype=torch.uint8)
+        kitchen[key] = qt
+    assert any(".attn.to_qkv." in k for k in kitchen)
+    path = tmp_path / f"minimax_h3_video_vae_{fmt}.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    resident = h3_core.load_video_vae(path, **VIDEO_OPTIONS)
+    params = dict(resident.named_parameters())
+    for key, qt in kitchen.items():
+        expected = reference_dequantised(qt, torch.float32)
+        if ".attn.to_qkv." in key:  # stored [head0: q k v, ...] -> the logical [q; k; v] the model holds
+            expected = expected.reshape(HEADS, 3, HEAD_DIM, -1).transpose(0, 1).reshape(expected.shape)
+        assert torch.equal(params[key], expected), key
+    streamed = h3_core.load_video_vae(path, residency="layerwise", **VIDEO_OPTIONS)
+    assert torch.equal(streamed.decode(video_inputs["latent"]), resident.decode(video_inputs["latent"]))

@@ -451,16 +451,52 @@ def test_too_few_layers(setup):
 
 
 def test_quantised_variants_are_refused(setup, tmp_path):
+    # A scale with no ComfyUI description beside it is not a layer of a known format: an unknown key.
     scale = _comfy_variant(setup, tmp_path, lambda s: s.update({"model.layers.0.mlp.up_proj.weight_scale":
                                                                      torch.ones(1)}))
-    with pytest.raises(CheckpointError, match="quantised text encoder") as info:
+    with pytest.raises(CheckpointError, match="unexpected key 'model.layers.0.mlp.up_proj.weight_scale'") as info:
         _load_comfy(setup, scale)
     assert info.value.key == "model.layers.0.mlp.up_proj.weight_scale"
     int8 = _comfy_variant(setup, tmp_path, lambda s: s.update(
         {"model.layers.1.mlp.down_proj.weight": torch.zeros(64, 96, dtype=torch.int8)}))
-    with pytest.raises(CheckpointError, match="dtype int8.*bf16, fp16 or fp32") as info:
+    with pytest.raises(CheckpointError, match="dtype int8.*bf16, fp16 or fp32; another dtype is read only as a "
+                                              "quantised layer in a ComfyUI format") as info:
         _load_comfy(setup, int8)
     assert info.value.key == "model.layers.1.mlp.down_proj.weight"
+    bnb = _comfy_variant(setup, tmp_path, lambda s: s.update({"model.layers.0.mlp.up_proj.weight.absmax":
+                                                                   torch.ones(1)}))
+    with pytest.raises(CheckpointError, match="marks a bitsandbytes / GPTQ quantised text encoder") as info:
+        _load_comfy(setup, bnb)
+    assert info.value.key == "model.layers.0.mlp.up_proj.weight.absmax"
+
+
+@pytest.mark.parametrize("fmt", ["int8_convrot", "float8_e4m3fn", "nvfp4"])
+def test_comfy_quantised_text_encoder_dequantises_as_comfy_kitchen(setup, tmp_path, fmt):
+    """A ComfyUI quantised repack (int8 ConvRot, as `qwen3vl_32b_minimax_h3_int8_convrot`; fp8; NVFP4) loads with
+    every quantised weight equal to comfy-kitchen's dequantisation, and streams exactly as it runs resident."""
+    pytest.importorskip("comfy_kitchen")
+    from quant_fixtures import kitchen_quantise, reference_dequantised
+
+    state = comfy_state(setup["reference"], keep_layers=LAYER)
+    kitchen = {}
+    for key in [k for k, v in state.items() if k.startswith("model.layers.") and v.ndim == 2]:
+        qt, config = kitchen_quantise(state[key].to(torch.bfloat16), fmt, convrot_group=16)
+        layer = key[: -len(".weight")]
+        state.update(qt.state_dict(key))
+        state[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps(config).encode()), dtype=torch.uint8)
+        kitchen[key] = qt
+    path = tmp_path / "qwen3vl_tiny_int8_convrot.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    encoder = load_text_encoder(path, tokenizer=setup["tokenizer"], config=setup["config_json"], layer=LAYER,
+                                dtype=torch.float32)
+    params = dict(encoder.named_parameters())
+    for key, qt in kitchen.items():
+        name = next(n for n in params if n.endswith(key[len("model."):]))
+        assert torch.equal(params[name], reference_dequantised(qt, torch.float32)), key
+    streamed = load_text_encoder(path, tokenizer=setup["tokenizer"], config=setup["config_json"], layer=LAYER,
+                                 dtype=torch.float32, residency="layerwise")
+    with torch.no_grad():
+        assert torch.equal(streamed.encode("a red fox")[0], encoder.encode("a red fox")[0])
 
 
 def test_other_checkpoints_are_refused(setup, tmp_path):

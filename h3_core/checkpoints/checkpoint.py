@@ -15,6 +15,9 @@ import torch
 
 from ..errors import CheckpointError, PickleCheckpointError
 from ..json_values import is_positive_real, is_whole
+from ..runtime.host_store import HostTensor
+from .gguf_io import GGUF_SUFFIX, GGUFFile
+from .quantised import DEQUANTISED_DEFAULT_DTYPE, QuantisedWeight, detect_quantised, quantised_decoder
 from .safetensors_io import PICKLE_SUFFIXES, SafetensorsFile, refuse_pickle
 
 T = TypeVar("T")
@@ -23,6 +26,10 @@ T = TypeVar("T")
 # format, refused from the header instead of failing at the first forward.
 FULL_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 QUANTISED_NOT_SUPPORTED = "quantised checkpoints (fp8, int8, NVFP4, ...) are not supported yet"
+# The rule of components that read quantised files: a bare fp8 / int8 tensor says nothing of its scales.
+QUANTISED_NEEDS_FORMAT = ("another dtype is read only as a quantised layer in a ComfyUI format (its "
+                          "'<layer>.comfy_quant' and scales, or 'scale_weight' with a 'scaled_fp8' marker) or from a "
+                          "GGUF file")
 
 
 def full_precision(dtype: torch.dtype) -> bool:
@@ -52,6 +59,8 @@ class Checkpoint:
     specs: list[WeightSpec]
     allowed_extra: set[str] = field(default_factory=set)  # stored keys that are recognised but never read
     defaults: dict = field(default_factory=dict)  # loader option defaults the checkpoint's config carries
+    # Quantised stored weights (key -> how it is dequantised), filled by `check` from the files.
+    quantised: dict[str, QuantisedWeight] = field(default_factory=dict)
 
     def tensors(self, spec: WeightSpec) -> tuple[torch.Tensor, ...]:
         """The stored (memory-mapped) tensors `spec` is made from."""
@@ -61,26 +70,54 @@ class Checkpoint:
         tensors = self.tensors(spec)
         return spec.combine(*tensors) if spec.combine else tensors[0]
 
+    def recipe(self, spec: WeightSpec, dtype_for: Callable[[torch.dtype], torch.dtype],
+               shape: tuple[int, ...]) -> HostTensor:
+        """How the parameter of `spec` is made, at `dtype_for(stored dtype)`: the stored tensors and the combine,
+        or, when a stored tensor is quantised, its payloads and a decode that dequantises then combines (the
+        stored dtype of a quantised weight counts as `DEQUANTISED_DEFAULT_DTYPE`)."""
+        if not any(k in self.quantised for k in spec.keys):
+            sources = self.tensors(spec)
+            return HostTensor(sources, dtype_for(sources[0].dtype), shape, spec.combine)
+        dtype = dtype_for(DEQUANTISED_DEFAULT_DTYPE)
+        keys, decode = quantised_decoder(spec.keys, spec.shapes, self.quantised, dtype, spec.combine)
+        return HostTensor(tuple(self.files[k].tensor(k) for k in keys), dtype, shape, decode=decode)
+
+    def quantised_bytes(self, spec: WeightSpec) -> int | None:
+        """Stored bytes of the payloads `spec` is made from when one of its tensors is quantised (what streaming
+        moves); None when none is."""
+        if not any(k in self.quantised for k in spec.keys):
+            return None
+        keys = [p for k in spec.keys for p in (self.quantised[k].payload_keys if k in self.quantised else (k,))]
+        return sum(self.files[k].nbytes(k) for k in keys)
+
     def numel(self, spec: WeightSpec) -> int:
-        """Stored elements behind `spec`, read from the headers."""
-        return sum(math.prod(self.files[k].shape(k)) for k in spec.keys)
+        """Elements behind `spec`, read from the headers (a quantised tensor's dequantised elements)."""
+        return sum(math.prod(self.quantised[k].shape if k in self.quantised else self.files[k].shape(k))
+                   for k in spec.keys)
 
     @property
     def paths(self) -> list[Path]:
         return sorted({f.path for f in self.files.values()})
 
-    def check(self, describe: str, **rules) -> "Checkpoint":
-        """`check_tensors` against the specs, `allowed_extra` aside; `rules` are its dtype rules. Returns self."""
+    def check(self, describe: str, *, accept_quantised: bool = False, **rules) -> "Checkpoint":
+        """`check_tensors` against the specs, `allowed_extra` aside; `rules` are its dtype rules. With
+        `accept_quantised`, quantised layers are detected first (`quantised`) and checked by their logical shape.
+        Returns self."""
+        if accept_quantised:
+            self.quantised, described = detect_quantised(self.source, self.files)
+            self.allowed_extra = self.allowed_extra | described
         check_tensors(self.source, self.files, expected_shapes(self.specs), describe,
-                      ignore=self.allowed_extra.__contains__, **rules)
+                      ignore=self.allowed_extra.__contains__, quantised=self.quantised, **rules)
         return self
 
 
 def resolve_source(source: str | os.PathLike, hint: str, single_file: Callable[[Path], T],
-                   folder: Callable[[Path], T], owning_folder: Callable[[Path], Path | None] = lambda path: None) -> T:
+                   folder: Callable[[Path], T], owning_folder: Callable[[Path], Path | None] = lambda path: None,
+                   *, gguf: bool = False) -> T:
     """The opening every resolver shares: an existing path that is not a pickle file, then `single_file(path)` for a
-    `.safetensors` file or `folder(path)` for a folder. `hint` says what to give instead of a missing path;
-    `owning_folder(path)` is the checkpoint folder a weights file belongs to, resolved as that folder (None: none)."""
+    `.safetensors` file (or a `.gguf` file, with `gguf`) or `folder(path)` for a folder. `hint` says what to give
+    instead of a missing path; `owning_folder(path)` is the checkpoint folder a weights file belongs to, resolved as
+    that folder (None: none)."""
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder. {hint}", path=path)
@@ -88,17 +125,32 @@ def resolve_source(source: str | os.PathLike, hint: str, single_file: Callable[[
     if path.is_file() and owning_folder(path) is not None:
         path = owning_folder(path)
     if path.is_file():
-        if path.suffix.lower() != ".safetensors":
-            raise CheckpointError(f"{path}: expected a .safetensors file or a checkpoint folder.", path=path)
+        if path.suffix.lower() not in (".safetensors",) + ((GGUF_SUFFIX,) if gguf else ()):
+            kinds = ".safetensors or .gguf file" if gguf else ".safetensors file"
+            raise CheckpointError(f"{path}: expected a {kinds} or a checkpoint folder.", path=path)
         return single_file(path)
     return folder(path)
 
 
-def shape_reader(path: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = ""):
-    """`shape(key)` and `need(key)`: the shape of stored key `prefix + key`, None / a `CheckpointError` naming the
-    key when absent. For configs read from tensor shapes; `what` names the model the file should be."""
+def open_weights_file(path: Path):
+    """The one-file checkpoint at `path`: a `GGUFFile` for `.gguf`, else a `SafetensorsFile`."""
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return GGUFFile(path)
+    return SafetensorsFile(path)
+    return folder(path)
+
+
+def shape_reader(path: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = "",
+                 quantised: Mapping[str, QuantisedWeight] | None = None):
+    """`shape(key)` and `need(key)`: the shape of stored key `prefix + key` (a quantised one's dequantised shape),
+    None / a `CheckpointError` naming the key when absent. For configs read from tensor shapes; `what` names the
+    model the file should be."""
+    quantised = quantised or {}
+
     def shape(key: str) -> tuple[int, ...] | None:
         key = prefix + key
+        if key in quantised:
+            return quantised[key].shape
         return files[key].shape(key) if key in files else None
 
     def need(key: str) -> tuple[int, ...]:
@@ -124,8 +176,10 @@ class HeaderSizes:
     config.json is checked against before any module is built (a config asking for 10^9 layers must not build them
     to find out the file holds 50). `what` names the model the files should be."""
 
-    def __init__(self, source: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = ""):
+    def __init__(self, source: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = "",
+                 quantised: Mapping[str, QuantisedWeight] | None = None):
         self.source, self.files, self.what, self.prefix = source, files, what, prefix
+        self.quantised = quantised or {}
 
     def dim(self, key: str, index: int) -> tuple[int, str]:
         """Dimension `index` of stored tensor `prefix + key`."""
@@ -134,7 +188,7 @@ class HeaderSizes:
             raise CheckpointError(f"{self.source}: missing key '{key}', needed to check the config against the "
                                   f"weights; the checkpoint is not a complete {self.what}.", path=self.source, key=key)
         file = self.files[key]
-        shape = file.shape(key)
+        shape = self.quantised[key].shape if key in self.quantised else file.shape(key)
         if len(shape) <= index:
             raise CheckpointError(f"{file.path}: tensor '{key}' has shape {list(shape)}, which is not the shape of "
                                   f"that tensor in a {self.what}.", path=file.path, key=key)
@@ -278,7 +332,8 @@ def expected_shapes(specs) -> dict[str, tuple[int, ...]]:
 def check_tensors(source: Path, files: Mapping[str, SafetensorsFile], expected: Mapping[str, tuple[int, ...]],
                   describe: str, *, ignore: Callable[[str], bool] = lambda key: False,
                   dtype_ok: Callable[[torch.dtype], bool] = full_precision,
-                  dtype_rule: str = f"weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}") -> None:
+                  dtype_rule: str = f"weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}",
+                  quantised: Mapping[str, QuantisedWeight] | None = None) -> None:
     """Every expected key present with its shape and an accepted dtype, and no unknown key (`ignore` aside): one
     `CheckpointError` naming the file and key otherwise. `describe` says what the checkpoint was expected to be."""
     missing = [k for k in expected if k not in files]
@@ -295,8 +350,16 @@ def check_tensors(source: Path, files: Mapping[str, SafetensorsFile], expected: 
         raise CheckpointError(
             f"{files[key].path}: unexpected key '{key}'{more} for {describe}; the file belongs to another model or "
             "its config does not match it.", path=files[key].path, key=key)
+    quantised = quantised or {}
     for key, shape in expected.items():
         file = files[key]
+        if key in quantised:  # its stored dtype and (packed) shape are the format's; its logical shape is checked
+            if not quantised[key].fits(shape):
+                raise CheckpointError(
+                    f"{file.path}: tensor '{key}' ({quantised[key].format}) is stored as "
+                    f"{list(quantised[key].stored_shape)}, which does not hold the {list(shape)} expected for "
+                    f"{describe}; the config and the weights do not match.", path=file.path, key=key)
+            continue
         if file.shape(key) != shape:
             raise CheckpointError(
                 f"{file.path}: tensor '{key}' has shape {list(file.shape(key))}, expected {list(shape)} for "

@@ -28,12 +28,12 @@ from ..runtime.chunking import ChunkingPolicy
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes,
+from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes,
                          count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint, open_folder_files,
-                         read_json, resolve_source, shape_reader, swap_halves)
+                         open_weights_file, read_json, resolve_source, shape_reader, swap_halves)
 from .lora_loader import set_loras
+from .quantised import detect_quantised
 from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
-from .safetensors_io import SafetensorsFile
 
 COMFY_PREFIX = "model.diffusion_model."
 # Parameters kept float32 whatever dtype is requested: the released checkpoint's fp32 islands.
@@ -152,7 +152,7 @@ def _config_from_shapes(path: Path, shape, need) -> H3DiTConfig:
 def resolve_dit_checkpoint(source: str | os.PathLike) -> Checkpoint:
     """Find the layout of `source`, read its config and open (but do not read) its tensors."""
     return resolve_source(source, "Give a diffusers or native transformer folder or a ComfyUI .safetensors file.",
-                          _resolve_comfy, _resolve_folder)
+                          _resolve_comfy, _resolve_folder, gguf=True)
 
 
 def _resolve_folder(folder: Path) -> Checkpoint:
@@ -181,7 +181,9 @@ def _resolve_folder(folder: Path) -> Checkpoint:
         )
     config = H3DiTConfig.from_dict(raw, source=config_path)
     files = open_folder_files(folder, stem)
-    _check_config_against_header(config, layout, config_path, HeaderSizes(folder, files, "H3 transformer"))
+    quantised, _ = detect_quantised(folder, files)  # sizes are read from a quantised weight's dequantised shape
+    _check_config_against_header(config, layout, config_path, HeaderSizes(folder, files, "H3 transformer",
+                                                                          quantised=quantised))
     return _check(Checkpoint("transformer", folder, layout, config, files, _plan(layout, config)))
 
 
@@ -226,7 +228,7 @@ def _check_config_against_header(config: H3DiTConfig, layout: str, config_path: 
 
 
 def _resolve_comfy(path: Path) -> Checkpoint:
-    file = SafetensorsFile(path)
+    file = open_weights_file(path)  # a ComfyUI .safetensors repack, or a GGUF file with the same names
     keys = file.keys()
     prefix = COMFY_PREFIX if any(k.startswith(COMFY_PREFIX) for k in keys) else ""
     if any(k.endswith("adaln_t_table") for k in keys):
@@ -239,7 +241,8 @@ def _resolve_comfy(path: Path) -> Checkpoint:
     if not any(k.startswith(prefix + "blocks.") for k in keys):
         raise _not_a_transformer(path, keys)
     files = {k: file for k in keys}
-    config = _config_from_shapes(path, *shape_reader(path, files, "H3 transformer", prefix))
+    quantised, _ = detect_quantised(path, files)  # sizes are read from a quantised weight's dequantised shape
+    config = _config_from_shapes(path, *shape_reader(path, files, "H3 transformer", prefix, quantised))
     # rope.inv_freq is recomputed from rope_theta; a repack may still ship it.
     return _check(Checkpoint("transformer", path, "comfy", config, files, _plan("comfy", config, prefix),
                              allowed_extra={"rope.inv_freq", COMFY_PREFIX + "rope.inv_freq"}))
@@ -253,8 +256,8 @@ def _check(ckpt: Checkpoint) -> Checkpoint:
     if missing and not any(k.startswith(("blocks.", "transformer_blocks.", COMFY_PREFIX + "blocks."))
                            for k in present):
         raise _not_a_transformer(ckpt.source, present)
-    return ckpt.check(f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer",
-                      dtype_rule=f"H3 transformer weights must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+    return ckpt.check(f"a {ckpt.config.num_layers}-block {ckpt.layout} H3 transformer", accept_quantised=True,
+                      dtype_rule=f"H3 transformer weights must be bf16, fp16 or fp32; {QUANTISED_NEEDS_FORMAT}. Use "
                                  "minimax_h3_fl2va_bf16 / minimax_h3_ref2va_bf16 or the official transformer/ folder")
 
 
@@ -317,13 +320,17 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
         for spec in ckpt.specs:
             # The memory-mapped sources and how the parameter is made from them (the combine: QKV de-interleave,
             # ...): the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
-            sources = ckpt.tensors(spec)
-            target = target_dtype(spec.name, sources[0].dtype, dtype)
-            recipes[spec.name] = HostTensor(sources, target, _expected_shape(model, spec.name), spec.combine)
+            # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
+            recipe = ckpt.recipe(spec, lambda stored: target_dtype(spec.name, stored, dtype),
+                                 _expected_shape(model, spec.name))
+            recipes[spec.name] = recipe
             if layerwise and _offloaded(spec.name):
-                set_tensor(model, spec.name, torch.empty(0, dtype=target, device=device))
+                set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))
                 continue
-            set_tensor(model, spec.name, recipes[spec.name].private_value(reader).to(device))
+            if recipe.decode is not None:  # dequantised on the device, from payloads read into private memory
+                set_tensor(model, spec.name, recipe.materialise(device, reader))
+            else:
+                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)

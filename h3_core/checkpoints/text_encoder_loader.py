@@ -32,9 +32,10 @@ from ..runtime.chunking import check_chunk_size
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (QUANTISED_NOT_SUPPORTED, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
+from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
                          count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
+from .quantised import detect_quantised
 from .safetensors_io import SafetensorsFile
 
 HF_CLASS_NAME = "Qwen3VLForConditionalGeneration"
@@ -43,9 +44,8 @@ LANGUAGE_PREFIXES = ("model.language_model.", "language_model.model.", "language
 VISION_PREFIXES = ("model.visual.", "visual.")
 # A ComfyUI combined checkpoint nests the encoder under one of these.
 OUTER_PREFIXES = ("", "text_encoders.qwen3vl_32b.transformer.", "qwen3vl_32b.transformer.")
-# Tensors that only quantised repacks carry (int8 "convrot", NVFP4-AWQ, fp8 scaled, bitsandbytes, GPTQ).
-QUANTISATION_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight", ".scale_input",
-                         ".comfy_quant", ".qweight", ".qzeros", ".absmax", ".quant_map", ".quant_state")
+# Tensors of quantisation formats that are not ComfyUI's (bitsandbytes, GPTQ): refused by name.
+FOREIGN_QUANTISATION_SUFFIXES = (".qweight", ".qzeros", ".absmax", ".quant_map", ".quant_state")
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Deep-stack taps of the released Qwen3-VL sizes, keyed by (vision depth, number of deep-stack mergers).
 KNOWN_DEEPSTACK = {(27, 3): (8, 16, 24), (24, 3): (5, 11, 17)}
@@ -171,15 +171,16 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
     if language_prefix is None:
         raise not_a_checkpoint(path, keys, "text_encoder",
                                "a Qwen3-VL text encoder checkpoint: no '...embed_tokens.weight' key")
-    quantised = sorted(k for k in keys if k.endswith(QUANTISATION_SUFFIXES))
-    if quantised:
+    foreign = sorted(k for k in keys if k.endswith(FOREIGN_QUANTISATION_SUFFIXES))
+    if foreign:
         raise CheckpointError(
-            f"{files[quantised[0]].path}: '{quantised[0]}' marks a quantised text encoder (int8 / fp8 / NVFP4); only "
-            "the bf16 (or fp16 / fp32) weights are supported, e.g. qwen3vl_32b_minimax_h3_bf16.safetensors.",
-            path=files[quantised[0]].path,
-            key=quantised[0],
-        )
-    stored = count_indexed(shape_reader(path, files, "Qwen3-VL text encoder")[0],
+            f"{files[foreign[0]].path}: '{foreign[0]}' marks a bitsandbytes / GPTQ quantised text encoder, which "
+            "h3-stream cannot read; use the bf16 weights (qwen3vl_32b_minimax_h3_bf16.safetensors) or a ComfyUI "
+            "quantised repack (int8 ConvRot, fp8, NVFP4).", path=files[foreign[0]].path, key=foreign[0])
+    # ComfyUI quantised layers (int8 ConvRot, fp8, NVFP4, ...): sizes are read from their dequantised shapes, and
+    # an unsupported format is refused here, naming the tensor.
+    quantised, _ = detect_quantised(path, files)
+    stored = count_indexed(shape_reader(path, files, "Qwen3-VL text encoder", quantised=quantised)[0],
                            language_prefix + "layers.{}.input_layernorm.weight")
     config_path = None  # where the config came from, when not from the shapes
     if config is not None:
@@ -194,7 +195,8 @@ def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, 
     else:
         encoder_config = _config_from_shapes(path, files, language_prefix, vision_prefix, stored)
     if config_path is not None:
-        _check_config_against_header(encoder_config, config_path, HeaderSizes(path, files, "Qwen3-VL text encoder"),
+        _check_config_against_header(encoder_config, config_path, HeaderSizes(path, files, "Qwen3-VL text encoder",
+                                                                              quantised=quantised),
                                      language_prefix, vision_prefix)
     if vision_prefix is None:
         encoder_config = encoder_config.without_vision()
@@ -314,8 +316,8 @@ def _check(source: Path, layout: str, config: TextEncoderConfig, files: dict[str
 
     ckpt = Checkpoint("text_encoder", source, layout, config, files, _plan(config, layer, lp, vision_prefix),
                       allowed_extra={k for k in files if never_read(k)})
-    return ckpt.check(f"a {layout} Qwen3-VL text encoder read up to layer {layer}",
-                      dtype_rule=f"the text encoder must be bf16, fp16 or fp32; {QUANTISED_NOT_SUPPORTED}. Use "
+    return ckpt.check(f"a {layout} Qwen3-VL text encoder read up to layer {layer}", accept_quantised=True,
+                      dtype_rule=f"the text encoder must be bf16, fp16 or fp32; {QUANTISED_NEEDS_FORMAT}. Use "
                                  "qwen3vl_32b_minimax_h3_bf16.safetensors or the official text_encoder/ folder")
 
 
@@ -439,14 +441,17 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     recipes: dict[str, HostTensor] = {}
     with closing(FileReader()) as reader:
         for spec in ckpt.specs:
-            weight = ckpt.weight(spec)
-            recipe = HostTensor((weight,), dtype or weight.dtype, tuple(weight.shape))
+            # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
+            recipe = ckpt.recipe(spec, lambda stored: dtype or stored, tuple(spec.shapes[0]))
             if layerwise and _offloaded(spec.name):
                 # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
                 recipes[spec.name] = recipe
                 set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))
                 continue
-            set_tensor(model, spec.name, recipe.private_value(reader).to(device))
+            if recipe.decode is not None:
+                set_tensor(model, spec.name, recipe.materialise(device, reader))
+            else:
+                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
     if layerwise:
         blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
         model.language_model.block_residency, model.weight_phases = attach_layerwise(

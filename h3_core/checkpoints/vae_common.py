@@ -19,7 +19,7 @@ from ..json_values import is_positive_real, is_whole
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.layerwise import LayerwiseOffloadManager
-from .checkpoint import QUANTISED_NOT_SUPPORTED, Checkpoint, full_precision
+from .checkpoint import QUANTISED_NEEDS_FORMAT, QUANTISED_NOT_SUPPORTED, Checkpoint, full_precision
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .safetensors_io import SafetensorsFile
 
@@ -103,11 +103,13 @@ def weights_folder(path: Path) -> Path | None:
     return None
 
 
-def check_vae(ckpt: Checkpoint, describe: str) -> Checkpoint:
-    """Strict key, shape and dtype checks; one error naming the file and key."""
-    return ckpt.check(describe, dtype_rule=f"VAE weights must be fp32, fp16 or bf16; {QUANTISED_NOT_SUPPORTED}. "
-                                           "Use minimax_h3_video_vae_fp16 / minimax_h3_audio_vae_fp32 or the "
-                                           "official vae/ and audio_vae/ folders")
+def check_vae(ckpt: Checkpoint, describe: str, *, accept_quantised: bool = False) -> Checkpoint:
+    """Strict key, shape and dtype checks; one error naming the file and key. `accept_quantised`: ComfyUI
+    quantised layers are read (the video VAE)."""
+    rule = QUANTISED_NEEDS_FORMAT if accept_quantised else QUANTISED_NOT_SUPPORTED
+    return ckpt.check(describe, accept_quantised=accept_quantised,
+                      dtype_rule=f"VAE weights must be fp32, fp16 or bf16; {rule}. Use minimax_h3_video_vae_fp16 / "
+                                 "minimax_h3_audio_vae_fp32 or the official vae/ and audio_vae/ folders")
 
 
 def stats_from_file(file: SafetensorsFile, prefix: str, channels: int, published):
@@ -152,12 +154,16 @@ def populate(model: nn.Module, ckpt: Checkpoint, device: torch.device, manager: 
     recipes: dict[str, HostTensor] = {}
     with closing(FileReader()) as reader:
         for spec in ckpt.specs:
-            recipe = HostTensor(ckpt.tensors(spec), torch.float32, shapes[spec.name], spec.combine)
+            # Quantised layers (the video VAE's): stored payloads, dequantised into float32 where materialised.
+            recipe = ckpt.recipe(spec, lambda stored: torch.float32, shapes[spec.name])
             if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
                 recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
                 set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
                 continue
-            set_tensor(model, spec.name, recipe.private_value(reader).to(device))
+            if recipe.decode is not None:
+                set_tensor(model, spec.name, recipe.materialise(device, reader))
+            else:
+                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
     if manager is not None:
         manager, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks, phases=phases,
                                                         device=device)

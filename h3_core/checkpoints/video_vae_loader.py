@@ -270,7 +270,7 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
         _check_video_config_against_header(config, "diffusers", folder / "config.json", HeaderSizes(
             folder, files, "H3 video VAE"))
         ckpt = Checkpoint("video_vae", folder, "diffusers", config, files, _video_plan("diffusers", config))
-        return check_vae(ckpt, _video_describe(ckpt))
+        return check_vae(ckpt, _video_describe(ckpt), accept_quantised=True)
     source_name = raw.get("source_path", "source")
     if not isinstance(source_name, str) or Path(source_name).name != source_name:
         source_name = "source"
@@ -295,7 +295,7 @@ def _resolve_video_folder(path: Path) -> Checkpoint:
             defaults[ours] = positive_number(raw, theirs, None, folder / "config.json")
     ckpt = Checkpoint("video_vae", folder, "native", config, files, _video_plan("native", config),
                       allowed_extra={"decoder.mask_token"}, defaults=defaults)
-    return check_vae(ckpt, _video_describe(ckpt))
+    return check_vae(ckpt, _video_describe(ckpt), accept_quantised=True)
 
 
 def _resolve_video_single_file(path: Path) -> Checkpoint:
@@ -309,7 +309,7 @@ def _resolve_video_single_file(path: Path) -> Checkpoint:
     config = _video_config_from_shapes(path, shape, need, stats)
     ckpt = Checkpoint("video_vae", path, "comfy", config, files, _video_plan("comfy", config, prefix),
                       allowed_extra={prefix + "decoder.mask_token"} | stat_keys)
-    return check_vae(ckpt, _video_describe(ckpt))
+    return check_vae(ckpt, _video_describe(ckpt), accept_quantised=True)
 
 
 def _video_describe(ckpt: Checkpoint) -> str:

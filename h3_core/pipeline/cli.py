@@ -106,6 +106,12 @@ def lora_recommendations(loras, args, say) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    q = commands.add_parser("quantize", help="write a quantised copy of a bf16 transformer checkpoint, streaming "
+                                             "it a tensor at a time")
+    q.add_argument("source", help="the bf16 transformer: a ComfyUI .safetensors file or a transformer folder")
+    q.add_argument("target", help="the file to write: .safetensors for fp8 / int8 (ComfyUI mixed precision), .gguf "
+                                  "for q8_0")
+    q.add_argument("--format", required=True, choices=["q8_0", "fp8", "int8"], help="the quantisation")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
     g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps")
@@ -367,6 +373,18 @@ def _what_was_written(outputs: dict) -> str:
     return "nothing was written"
 
 
+def quantize(args, say=print) -> Path:
+    """Run `python -m h3_core quantize SRC DST --format F` (errors name the argument as the CLI spells it)."""
+    from ..checkpoints.quantiser import quantise_checkpoint
+
+    try:
+        written = quantise_checkpoint(args.source, args.target, args.format)
+    except H3Error as exc:
+        raise CliError(str(exc).replace("format=", "--format ")) from None
+    say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format})")
+    return written
+
+
 def _on_sigterm(signum, frame):
     raise Terminated
 
@@ -381,6 +399,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             generate(args, outputs=outputs)
+        elif args.command == "quantize":
+            quantize(args)
         return 0
     except H3Error as exc:
         print(f"error: {exc}", file=sys.stderr)

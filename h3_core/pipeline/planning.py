@@ -17,6 +17,7 @@ import torch
 
 from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
 from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED, resolve_dit_checkpoint, target_dtype
+from ..checkpoints.quantised import DEQUANTISED_DEFAULT_DTYPE
 from ..checkpoints.text_encoder_loader import (PHASE_SCOPED as TEXT_PHASE_SCOPED,
                                                STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX,
                                                resolve_text_encoder_checkpoint)
@@ -75,6 +76,23 @@ def _grouped(ckpt, sizes, unit_of, scoped: dict[str, tuple[str, ...]]) -> dict:
                 total=fixed + sum(units.values()), scratch=scratch, sizes=tuple(units[u] for u in numbered))
 
 
+def _weight_groups(ckpt, target, unit_of, scoped) -> tuple[dict, int, int]:
+    """`_grouped` weights at their materialised dtype `target(spec)`, but streamed quantised units at their stored
+    size (what the stores, rings and slots hold); with the largest quantised unit once dequantised (on the device
+    beside the slots while it runs) and how much more a resident load holds (everything dequantised)."""
+    def dequantised(spec):
+        return ckpt.numel(spec) * _dtype_bytes(target(spec))
+
+    def moved(spec):
+        stored = ckpt.quantised_bytes(spec) if unit_of(spec.name) is not None else None
+        return dequantised(spec) if stored is None else stored
+
+    g = _grouped(ckpt, moved, unit_of, scoped)
+    full = _grouped(ckpt, dequantised, unit_of, scoped)
+    quantised_units = {unit_of(spec.name) for spec in ckpt.specs if ckpt.quantised_bytes(spec)} - {None}
+    return g, max((full["units"][u] for u in quantised_units), default=0), full["total"] - g["total"]
+
+
 def packed_rows_estimate(shape: LatentShape) -> int:
     """Rows of the DiT's packed sequence for a request, before the prompt is tokenised: `TEXT_ROWS_ESTIMATE` text
     rows, the audio latents of both channels and the 2x2-patched video latents (keyframe rows left out)."""
@@ -86,13 +104,17 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                   keyframes: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
-    targets = {spec.name: target_dtype(spec.name, ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
+    targets = {spec.name: target_dtype(spec.name, DEQUANTISED_DEFAULT_DTYPE if ckpt.quantised_bytes(spec) else
+                                       ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
                for spec in ckpt.specs}
     residual_dtype = targets.get("condition_proj.weight", torch.float32)
-    g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(targets[spec.name]),
-                 lambda n: n.split(".")[1] if n.startswith("blocks.") and ".adaln_proj." not in n else
-                 (f"adaln.{n.split('.')[1]}" if n.startswith("blocks.") else None),
-                 DIT_PHASE_SCOPED)
+
+    def unit_of(name):
+        return (name.split(".")[1] if name.startswith("blocks.") and ".adaln_proj." not in name else
+                (f"adaln.{name.split('.')[1]}" if name.startswith("blocks.") else None))
+
+    g, dequantised_unit, dequantised_extra = _weight_groups(ckpt, lambda spec: targets[spec.name], unit_of,
+                                                            DIT_PHASE_SCOPED)
     blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
     adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
     rows = packed_rows_estimate(shape)
@@ -115,7 +137,8 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
                                  companion_unit_bytes=max(adaln.values(), default=0), host_table_bytes=tables,
-                                 scratch_bytes=g["scratch"], unit_sizes=g["sizes"])
+                                 scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
+                                 dequantised_unit_bytes=dequantised_unit, dequantised_extra_bytes=dequantised_extra)
     return estimate, c, rows
 
 
@@ -131,18 +154,19 @@ def _dit_part_activations(config, dtype) -> tuple[tuple[str, int], ...]:
 def _text_encoder_estimate(source, layer: int, dtype=None) -> ComponentEstimate:
     ckpt = resolve_text_encoder_checkpoint(source, layer)
 
-    def target(spec):  # the loader keeps the stored dtype by default
-        return dtype or ckpt.files[spec.keys[0]].dtype(spec.keys[0])
+    def target(spec):  # the loader keeps the stored dtype by default (a quantised weight: bf16)
+        return dtype or (DEQUANTISED_DEFAULT_DTYPE if ckpt.quantised_bytes(spec) else
+                         ckpt.files[spec.keys[0]].dtype(spec.keys[0]))
 
     prefix = TEXT_STREAMED_LAYER_PREFIX
-    g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * _dtype_bytes(target(spec)),
-                 lambda n: n[len(prefix):].split(".")[0] if n.startswith(prefix) else None,
-                 TEXT_PHASE_SCOPED)
+    g, dequantised_unit, dequantised_extra = _weight_groups(
+        ckpt, target, lambda n: n[len(prefix):].split(".")[0] if n.startswith(prefix) else None, TEXT_PHASE_SCOPED)
     hidden = ckpt.config.language.hidden_size
     activations = TEXT_ROWS_ESTIMATE * 4 * (8 * hidden + 2 * ckpt.config.language.intermediate_size)
     return ComponentEstimate("text_encoder", g["total"], max(g["units"].values(), default=0), g["fixed"],
                              activations, streamable=True, scoped_bytes=g["scoped"], scratch_bytes=g["scratch"],
-                             unit_sizes=g["sizes"])
+                             unit_sizes=g["sizes"], dequantised_unit_bytes=dequantised_unit,
+                             dequantised_extra_bytes=dequantised_extra)
 
 
 def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[ComponentEstimate]:
@@ -156,8 +180,9 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
                 decoder = AudioVAE(ckpt.config).decoder
             stages = [tuple(f"decoder.{p}" for p in decoder.stage_prefixes(i)) for i in range(len(decoder.ups))]
             unit_of = lambda n: next((str(i) for i, p in enumerate(stages) if n.startswith(p)), None)  # noqa: E731
-        g = _grouped(ckpt, lambda spec: ckpt.numel(spec) * 4,  # VAEs always run in float32
-                     unit_of, VIDEO_PHASE_SCOPED if name == "video_vae" else AUDIO_PHASE_SCOPED)
+        g, dequantised_unit, dequantised_extra = _weight_groups(
+            ckpt, lambda spec: torch.float32, unit_of,  # VAEs always run in float32
+            VIDEO_PHASE_SCOPED if name == "video_vae" else AUDIO_PHASE_SCOPED)
         if name == "video_vae":
             c = ckpt.config
             # One 17-frame clip of pixels on the device, the decoder's tokens for one tile (256 px -> 16x16 latents
@@ -181,7 +206,9 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
                                if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))) * 4
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
                                      streamable=bool(g["units"]), scoped_bytes=g["scoped"],
-                                     scratch_bytes=g["scratch"], unit_sizes=g["sizes"]))
+                                     scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
+                                     dequantised_unit_bytes=dequantised_unit,
+                                     dequantised_extra_bytes=dequantised_extra))
     return out
 
 

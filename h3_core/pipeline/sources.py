@@ -59,10 +59,14 @@ def _first_existing(folder: Path, names) -> Path | None:
 
 
 def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8", "fp8", "nvfp4")) -> Path:
-    """The first file (or folder, for text encoders in the official layout) matching `pattern`, skipping quantised
-    and pruned variants, which h3-stream does not run."""
-    candidates = sorted(p for p in folder.glob(pattern) if not any(x in p.name for x in exclude)
-                        and (p.suffix == ".safetensors" or p.is_dir()))
+    """The first file (or folder, for text encoders in the official layout) matching `pattern`, preferring the
+    full-precision release over quantised variants (taken when they are all there is) and never a pruned one,
+    which h3-stream does not run."""
+    def matching(skip):
+        return sorted(p for p in folder.glob(pattern) if not any(x in p.name for x in skip)
+                      and (p.suffix == ".safetensors" or p.is_dir()))
+
+    candidates = matching(exclude) or matching(("pruned",))
     if not candidates:
         raise CheckpointError(f"{folder}: no {what} file matching '{pattern}'. Put the ComfyUI repack file there or "
                               "point at an official / partition folder instead.", path=folder)

@@ -54,6 +54,10 @@ class HostTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     combine: Callable[..., torch.Tensor] | None = None
+    # A quantised parameter: `sources` are the stored payloads (quantised bytes and scales), moved and stored as
+    # they are (never cast), and `decode(*payloads)` dequantises them where they are, into `dtype`. Stores lay the
+    # payloads out (see `payload_layouts`), so streaming moves the quantised size.
+    decode: Callable[..., torch.Tensor] | None = None
 
     @classmethod
     def held(cls, tensor: torch.Tensor) -> "HostTensor":
@@ -73,6 +77,8 @@ class HostTensor:
         """A fresh copy on `device` (never an alias of the host source, even when `device` is the CPU). With a
         `reader`, memory-mapped sources are read explicitly (`read_private`) instead of faulting the map's pages."""
         sources = self.sources if reader is None else tuple(read_private(s, reader) for s in self.sources)
+        if self.decode is not None:  # payloads to the device as stored, dequantised there
+            return self.decode(*(s.to(device=device) for s in sources))
         if self.combine is None:
             return sources[0].to(device=device, dtype=self.dtype, copy=sources[0] is self.sources[0])
         # Copy the sources as stored, then combine on the device: the host side stays file-backed (no temporaries).
@@ -89,6 +95,8 @@ class HostTensor:
         return self._made(tuple(read_private(s, reader) for s in self.sources))
 
     def _made(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.decode is not None:
+            return self.decode(*sources)
         if self.combine is None:
             source = sources[0]
             return source if source.dtype == self.dtype else source.to(self.dtype)
@@ -100,6 +108,36 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 
 UnitRecipes = Mapping[str, HostTensor]
+
+# Names of a quantised parameter's payload entries in a slab / staging layout: "<parameter>#<index>".
+PAYLOAD_MARK = "#"
+
+
+def payload_layouts(name: str, recipe: HostTensor, stride=None) -> list[tuple[str, torch.dtype, tuple, tuple]]:
+    """The (name, dtype, shape, stride) entries a unit layout holds for one parameter: the parameter itself as
+    materialised, or, quantised, each stored payload as it is stored. `stride(shape)` gives a contiguous stride."""
+    if recipe.decode is None:
+        return [(name, recipe.dtype, tuple(recipe.shape), stride(recipe.shape))]
+    return [(f"{name}{PAYLOAD_MARK}{i}", s.dtype, tuple(s.shape), stride(tuple(s.shape)))
+            for i, s in enumerate(recipe.sources)]
+
+
+def decoded(views: dict[str, torch.Tensor], decoders: Mapping[str, Callable[..., torch.Tensor]],
+            names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The parameters of a unit from its layout's views: quantised ones dequantised from their payload views."""
+    out = {}
+    for name in names:
+        if name in decoders:
+            count = sum(1 for key in views if key.startswith(name + PAYLOAD_MARK))
+            out[name] = decoders[name](*(views[f"{name}{PAYLOAD_MARK}{i}"] for i in range(count)))
+        else:
+            out[name] = views[name]
+    return out
+
+
+def stored_bytes(recipes: UnitRecipes) -> int:
+    """Bytes a unit moves host-to-device: each parameter as materialised, or, quantised, its payloads as stored."""
+    return sum(r.source_bytes if r.decode is not None else r.nbytes for r in recipes.values())
 
 
 def source_bytes(units: Sequence[UnitRecipes]) -> int:
@@ -403,6 +441,8 @@ class PinnedSlab:
         self._pinner = pinner
         pin_units = set(range(len(recipes)) if pin_units is None else pin_units)
         self.slabs: list[UnitSlab] = []
+        self._names: list[list[str]] = []
+        self._decoders: list[dict] = []  # per unit: quantised parameter -> its decode
         for unit in range(len(recipes)):
             self.slabs.append(self._pack(recipes[unit], pin=unit in pin_units))
             if isinstance(recipes, list):
@@ -410,7 +450,13 @@ class PinnedSlab:
 
     def _pack(self, recipes: UnitRecipes, *, pin: bool) -> UnitSlab:
         values = {}
+        self._names.append(list(recipes))
+        self._decoders.append({})
         for name, recipe in recipes.items():
+            if recipe.decode is not None:  # quantised: the payloads as stored, dequantised on the device
+                self._decoders[-1][name] = recipe.decode
+                values.update((f"{name}{PAYLOAD_MARK}{i}", s) for i, s in enumerate(recipe.sources))
+                continue
             values[name] = recipe.host_value()
         entries, nbytes = plan_slab([(n, v.dtype, tuple(v.shape), tuple(v.stride())) for n, v in values.items()])
         data = page_aligned_bytes(nbytes)
@@ -430,7 +476,7 @@ class PinnedSlab:
         return self.slabs[unit]
 
     def names(self, unit: int) -> list[str]:
-        return [e.name for e in self.slabs[unit].entries]
+        return list(self._names[unit])
 
     def unit_bytes(self, unit: int) -> int:
         return self.slabs[unit].nbytes
@@ -451,7 +497,7 @@ class PinnedSlab:
         """Typed views of `unit` inside `buffer` (a device slot laid out like the slab), or inside the slab itself."""
         slab = self.slabs[unit]
         target = slab.data if buffer is None else buffer
-        return {e.name: view_in(target, e) for e in slab.entries}
+        return decoded({e.name: view_in(target, e) for e in slab.entries}, self._decoders[unit], self._names[unit])
 
     def materialise(self, unit: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Fresh device copies (the synchronous path: one copy of the whole slab, then typed views)."""
@@ -461,6 +507,8 @@ class PinnedSlab:
 
     def original(self, unit: int, name: str) -> torch.Tensor:
         slab = self.slabs[unit]
+        if name in self._decoders[unit]:
+            return self.views(unit)[name]
         entry = next(e for e in slab.entries if e.name == name)
         return view_in(slab.data, entry)
 

@@ -65,6 +65,11 @@ class ComponentEstimate:
     host_table_bytes: int = 0
     scratch_bytes: int = 0  # the staging reader's scratch: the stored bytes of its largest combined tensor (QKV)
     unit_sizes: tuple[int, ...] = ()  # every streamed unit's bytes in pass order (empty: all `unit_bytes`)
+    # Quantised checkpoints: the unit sizes above are the stored (quantised) bytes the stores and slots hold; the
+    # largest unit once dequantised is on the device beside them while it runs, and a resident load holds every
+    # weight dequantised (`dequantised_extra_bytes` more than `total_bytes`).
+    dequantised_unit_bytes: int = 0
+    dequantised_extra_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -81,8 +86,8 @@ class ComponentEstimate:
         if self.residency == "layerwise":
             ahead = self.prefetch if prefetch is None else prefetch
             return self.resident_fixed_bytes + max((ahead + 1) * self.unit_bytes, self.companion_unit_bytes,
-                                                   *self.scoped_bytes.values())
-        return self.total_bytes
+                                                   *self.scoped_bytes.values()) + self.dequantised_unit_bytes
+        return self.total_bytes + self.dequantised_extra_bytes
 
     def device_bytes(self, prefetch: int | None = None) -> int:
         return self.weight_bytes(prefetch) + self.activation_bytes
@@ -215,7 +220,7 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     """What `c` holds during the phase `spec` runs it (None: an idle kept component)."""
     copying = platform.asynchronous_copies
     if c.residency != "layerwise":
-        items = [PhaseItem(c.name, "weights", c.total_bytes)]
+        items = [PhaseItem(c.name, "weights", c.total_bytes + c.dequantised_extra_bytes)]
         if spec is not None:
             activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
             items += [PhaseItem(c.name, "activations", activations),
@@ -248,13 +253,15 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
             if persistent:  # alive through the whole phase
                 ring = [dataclasses.replace(i, during=None) for i in ring]
             items += ring + [PhaseItem(c.name, "activations", activations, during=during),
-                             PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True, during=during)]
+                             PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True, during=during),
+                             PhaseItem(c.name, "dequantised block", c.dequantised_unit_bytes, during=during)]
         elif part == "AdaLN plan":
             ring = staging_items(c, c.companion_unit_bytes, 1, read_ahead, platform, during=during, stack="AdaLN")
             if copying:
                 ring = [dataclasses.replace(i, during=None) for i in ring]
             items += ring + [PhaseItem(c.name, "AdaLN tables", c.host_table_bytes, on_host=True, during=during),
-                             PhaseItem(c.name, "activations", extra.get(part, 0), during=during)]
+                             PhaseItem(c.name, "activations", extra.get(part, 0), during=during),
+                             PhaseItem(c.name, "dequantised block", c.dequantised_unit_bytes, during=during)]
         else:
             items += [PhaseItem(c.name, "phase weights", c.scoped_bytes.get(part, 0), during=during),
                       PhaseItem(c.name, "activations", extra.get(part, activations if "blocks" not in parts else 0),

@@ -135,7 +135,7 @@ class SynchronousBackend(OffloadBackend):
                     store.give_back(staged)
                 tensors = store.views(unit, copy)
             self._slots[slot] = tensors
-            return store.unit_bytes(unit)
+            return store.stored_bytes(unit)
         tensors = store.materialise(unit, self.device)
         self._slots[slot] = tensors
         return sum(t.numel() * t.element_size() for t in tensors.values())

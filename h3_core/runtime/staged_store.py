@@ -29,8 +29,8 @@ import torch
 
 from .file_reads import FileReader, FileSegment, available_memory_bytes, segment_of, total_memory_bytes
 from ..errors import ResidencyError
-from .host_store import (HostPinner, HostTensor, PinBudget, SlabEntry, UnitRecipes, UnitSlab, page_aligned_bytes,
-                         plan_slab, source_bytes, view_in)
+from .host_store import (PAYLOAD_MARK, HostPinner, HostTensor, PinBudget, SlabEntry, UnitRecipes, UnitSlab,
+                         decoded, page_aligned_bytes, payload_layouts, plan_slab, source_bytes, stored_bytes, view_in)
 from .platform import Platform
 
 GiB = 1024 ** 3
@@ -87,7 +87,10 @@ class StagedReads:
         self.hand_over = hand_over
         self._layouts: list[tuple[list[SlabEntry], int]] = []
         for unit in self._recipes:
-            self._layouts.append(plan_slab([(n, r.dtype, r.shape, _contiguous_stride(r.shape)) for n, r in unit.items()]))
+            # Quantised parameters are laid out as their stored payloads: read, staged and copied at that size.
+            self._layouts.append(plan_slab([entry for n, r in unit.items()
+                                            for entry in payload_layouts(n, r, _contiguous_stride)]))
+        self._decoders = [{n: r.decode for n, r in unit.items() if r.decode is not None} for unit in self._recipes]
         self._reader = FileReader()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-unit-reader")
         # Asks the kernel for the pages of the unit being read and of the one after it (WILLNEED may block while it
@@ -118,18 +121,27 @@ class StagedReads:
         return len(self._recipes)
 
     def names(self, unit: int) -> list[str]:
-        return [e.name for e in self._layouts[unit][0]]
+        return list(self._recipes[unit])
 
     def unit_bytes(self, unit: int) -> int:
         """Bytes of the unit's tensors as materialised."""
         return sum(r.nbytes for r in self._recipes[unit].values())
+
+    def stored_bytes(self, unit: int) -> int:
+        """Bytes of the unit as read and copied (quantised parameters at their stored size)."""
+        return stored_bytes(self._recipes[unit])
 
     def buffer_bytes(self, unit: int) -> int:
         """Bytes of the unit laid out in a staging buffer or device slot (tensors on 256-byte boundaries)."""
         return self._layouts[unit][1]
 
     def views(self, unit: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {e.name: view_in(buffer, e) for e in self._layouts[unit][0]}
+        """The unit's parameters in `buffer` (laid out like its staging buffer); quantised ones are dequantised
+        from their payloads here, on the buffer's device."""
+        views = {e.name: view_in(buffer, e) for e in self._layouts[unit][0]}
+        if not self._decoders[unit]:
+            return views
+        return decoded(views, self._decoders[unit], self.names(unit))
 
     def unit_segments(self, unit: int) -> list[FileSegment]:
         return [seg for r in self._recipes[unit].values() for s in r.sources if (seg := segment_of(s)) is not None]
@@ -221,7 +233,18 @@ class StagedReads:
         """Read `unit` from its files into `buffer` in its slot layout (cast, then combined, as HostTensor does)."""
         self._drop_pending()
         self._advise(unit)
-        for entry, recipe in zip(self._layouts[unit][0], self._recipes[unit].values()):
+        entries = {e.name: e for e in self._layouts[unit][0]}
+        for name, recipe in self._recipes[unit].items():
+            if recipe.decode is not None:  # quantised payloads: the stored bytes straight into place
+                for i, source in enumerate(recipe.sources):
+                    target = view_in(buffer, entries[f"{name}{PAYLOAD_MARK}{i}"])
+                    segment = segment_of(source)
+                    if segment is None:
+                        target.copy_(source)
+                    else:
+                        self._reader.read_into(segment, target.reshape(-1).view(torch.uint8))
+                continue
+            entry = entries[name]
             target = view_in(buffer, entry)
             single = recipe.sources[0] if len(recipe.sources) == 1 else None
             segment = None if single is None else segment_of(single)

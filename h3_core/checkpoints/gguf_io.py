@@ -1,0 +1,114 @@
+"""GGUF checkpoint files, read through the `gguf` package's reader (header only) and memory-mapped like safetensors.
+
+`GGUFFile` offers what the loaders ask of a `SafetensorsFile` (keys, shapes, dtypes, zero-copy tensors tagged with
+their file segment, so streamed reads `pread` them). Tensor names are the state-dict keys, as ComfyUI-GGUF writes
+them; shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
+ggml type is quantised: `tensor(key)` is its raw blocks (uint8, one row of blocks per logical row) and
+`quantised.QuantisedWeight` dequantises them with gguf's `dequantize`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import CheckpointError
+from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
+from .quantised import gguf_package
+
+GGUF_SUFFIX = ".gguf"
+
+
+class GGUFFile:
+    """One `.gguf` file; `tensor(key)` returns a zero-copy, memory-mapped view (raw blocks for quantised types)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such file.", path=self.path)
+        gguf = gguf_package(self.path)
+        stat = self.path.stat()
+        self.file_size = stat.st_size
+        self.identity = FileIdentity.of_stat(stat)
+        try:
+            reader = gguf.GGUFReader(self.path, "r")
+        except (ValueError, IndexError, KeyError, OSError) as exc:
+            raise CheckpointError(f"{self.path}: cannot read it as a GGUF file ({exc}); the file is truncated or "
+                                  "not a GGUF file. Download it again.", path=self.path) from None
+        types = gguf.GGMLQuantizationType
+        plain = {types.F32: torch.float32, types.F16: torch.float16, types.BF16: torch.bfloat16,
+                 types.F64: torch.float64, types.I8: torch.int8, types.I16: torch.int16, types.I32: torch.int32,
+                 types.I64: torch.int64}
+        self.metadata: dict[str, str] = {}
+        arch = reader.fields.get("general.architecture")
+        if arch is not None:
+            try:
+                self.metadata["general.architecture"] = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
+            except (IndexError, TypeError):
+                pass
+        # key -> (dtype, torch shape, byte offset, nbytes, ggml type or None, stored (byte) shape, type name)
+        self._entries: dict[str, tuple] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            ggml_type = types(int(t.tensor_type))
+            if t.data_offset + t.n_bytes > self.file_size:
+                raise CheckpointError(f"{self.path}: tensor '{t.name}' ends past the end of the file; the file is "
+                                      "truncated. Download it again.", path=self.path, key=t.name)
+            if ggml_type in plain:
+                self._entries[t.name] = (plain[ggml_type], shape, t.data_offset, int(t.n_bytes), None, shape,
+                                         ggml_type.name)
+            else:
+                stored = tuple(int(d) for d in t.data.shape)
+                self._entries[t.name] = (torch.uint8, shape, t.data_offset, int(t.n_bytes), int(ggml_type), stored,
+                                         ggml_type.name)
+        del reader  # its NumPy map closes with it; tensors are mapped by torch below
+        self._storage: torch.UntypedStorage | None = None
+
+    def keys(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The tensor's logical (dequantised) shape."""
+        return self._entries[key][1]
+
+    def stored_shape(self, key: str) -> tuple[int, ...]:
+        return self._entries[key][5]
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self._entries[key][0]
+
+    def quant_type(self, key: str) -> int | None:
+        """The ggml quantisation type of a quantised tensor; None for F32 / F16 / BF16 (plain) tensors."""
+        return self._entries[key][4]
+
+    def type_name(self, key: str) -> str:
+        return self._entries[key][6]
+
+    def nbytes(self, key: str) -> int:
+        return self._entries[key][3]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        dtype, shape, offset, nbytes, ggml_type, stored, _ = self._entries[key]
+        if ggml_type is not None:
+            shape = stored
+        if self._storage is None:
+            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.file_size)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offset % itemsize == 0:
+            view = torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)
+            return tag_segment(view, FileSegment(str(self.path), offset, nbytes, self.identity))
+        raw = torch.empty(0, dtype=torch.uint8).set_(self._storage, offset, (nbytes,))
+        return raw.clone().view(dtype).reshape(shape)
+
+    def numel(self, key: str) -> int:
+        return math.prod(self.shape(key))

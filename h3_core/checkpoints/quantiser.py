@@ -1,0 +1,188 @@
+"""Make a quantised transformer file from a bf16 one, a tensor at a time: `python -m h3_core quantize SRC DST`.
+
+The output's header (every name, dtype and shape) is known before any weight is read, so it is written first and
+each parameter is then read from the source (in the model's logical order, whatever the source layout), quantised,
+written and dropped: the process never holds more than one parameter of the model. Formats:
+
+* `fp8`: ComfyUI mixed precision `float8_e4m3fn` (per-tensor `weight_scale`, `comfy_quant` JSON), a `.safetensors`;
+* `int8`: ComfyUI mixed precision `int8_tensorwise` with per-row scales, a `.safetensors`;
+* `q8_0`: GGUF Q8_0 (ComfyUI-GGUF's names: the state-dict keys), a `.gguf`.
+
+Quantised are the 2-D matrices of the transformer blocks and of the text refiner, by comfy-kitchen's and gguf's own
+quantisers; every other tensor (norms, biases, the fp32 islands) is written as stored. The file is written under a
+temporary name and renamed when complete, so an interrupted run leaves no partial file at DST.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import closing
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import CheckpointError, H3Error
+from ..runtime.file_reads import FileReader
+from .dit_loader import COMFY_PREFIX, _expected_tensors, resolve_dit_checkpoint, target_dtype
+from .quantised import gguf_package, kitchen_eager
+
+QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf"}
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8"}
+Q8_0_BLOCK = 32
+
+
+def _quantised(name: str, shape: tuple[int, ...], fmt: str) -> bool:
+    if len(shape) != 2 or not name.endswith(".weight") or not name.startswith(("blocks.", "token_refiner.blocks.")):
+        return False
+    return fmt != "q8_0" or shape[1] % Q8_0_BLOCK == 0
+
+
+def _check_paths(source: Path, target: Path, fmt: str) -> None:
+    if fmt not in QUANTISE_FORMATS:
+        raise H3Error(f"format={fmt!r} is not a quantisation h3-stream writes; use one of "
+                      f"{', '.join(QUANTISE_FORMATS)}.")
+    suffix = QUANTISE_FORMATS[fmt]
+    if target.suffix.lower() != suffix:
+        raise H3Error(f"{target}: a {fmt} file is written as {suffix}; name the output '{target.stem}{suffix}'.")
+    if not target.parent.is_dir():
+        raise H3Error(f"{target}: the folder {target.parent} does not exist; create it first.")
+    if target.exists() and source.exists() and target.resolve() == source.resolve():
+        raise H3Error(f"{target}: is the source itself; write the quantised file under another name.")
+
+
+def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
+                        log: Callable[[str], None] | None = None) -> Path:
+    """Write `target`, the transformer at `source` (any layout, unquantised) with its block matrices quantised as
+    `fmt` ("fp8", "int8" or "q8_0"); returns `target`. See the module docstring."""
+    source, target = Path(source).expanduser(), Path(target).expanduser()
+    _check_paths(source, target, fmt)
+    ckpt = resolve_dit_checkpoint(source)
+    if ckpt.quantised:
+        key = next(iter(ckpt.quantised))
+        raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
+                              "the bf16 release instead.", path=source, key=key)
+    kitchen = kitchen_eager(source, "(output)") if fmt != "q8_0" else None
+    gguf = gguf_package(target) if fmt == "q8_0" else None
+    shapes = _expected_tensors(ckpt.config)
+    plan = []  # (parameter name, spec, shape, stored dtype, quantised?)
+    for spec in ckpt.specs:
+        if spec.name == "rope.inv_freq":
+            continue  # recomputed from rope_theta by every loader
+        stored = ckpt.files[spec.keys[0]].dtype(spec.keys[0])
+        dtype = target_dtype(spec.name, stored, None)
+        shape = tuple(shapes[spec.name])
+        plan.append((spec.name, spec, shape, dtype, _quantised(spec.name, shape, fmt)))
+    partial = target.with_name(target.name + ".partial")
+    say = log or (lambda message: None)
+    try:
+        with closing(FileReader()) as reader:
+            def value(spec, dtype, shape):
+                return ckpt.recipe(spec, lambda stored: dtype, shape).private_value(reader)
+
+            if fmt == "q8_0":
+                _write_gguf(partial, plan, value, gguf, say)
+            else:
+                _write_safetensors(partial, plan, value, fmt, kitchen, say)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return target
+
+
+# ---- ComfyUI mixed precision (.safetensors) -------------------------------------------------------------------------
+
+
+def _comfy_quant(fmt: str) -> bytes:
+    return json.dumps({"format": "float8_e4m3fn" if fmt == "fp8" else "int8_tensorwise"}).encode("utf-8")
+
+
+def _safetensors_entries(plan, fmt):
+    """(key, dtype, shape) of every output tensor, in file order, and the parameter each belongs to."""
+    for name, spec, shape, dtype, quantise in plan:
+        key = COMFY_PREFIX + name
+        if not quantise:
+            yield key, dtype, shape, name, "plain"
+            continue
+        layer = key[: -len(".weight")]
+        yield key, torch.float8_e4m3fn if fmt == "fp8" else torch.int8, shape, name, "weight"
+        yield f"{layer}.weight_scale", torch.float32, () if fmt == "fp8" else (shape[0], 1), name, "scale"
+        yield f"{layer}.comfy_quant", torch.uint8, (len(_comfy_quant(fmt)),), name, "config"
+
+
+def _write_safetensors(path: Path, plan, value, fmt: str, kitchen, say) -> None:
+    entries = list(_safetensors_entries(plan, fmt))
+    header, offset = {"__metadata__": {"format": "pt", "h3_stream_quantised": fmt}}, 0
+    for key, dtype, shape, _, _ in entries:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset,
+                                                                                                    offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as the safetensors library writes
+    specs = {name: (spec, shape, dtype) for name, spec, shape, dtype, _ in plan}
+    with open(path, "wb") as out:
+        out.write(len(raw).to_bytes(8, "little"))
+        out.write(raw)
+        current: dict[str, torch.Tensor] = {}  # the one parameter being written: its weight, scale and config
+        for key, dtype, shape, name, role in entries:
+            if role in ("plain", "weight"):
+                spec, shape_, dtype_ = specs[name]
+                tensor = value(spec, dtype_, shape_)
+                if role == "plain":
+                    current = {"plain": tensor}
+                elif fmt == "fp8":
+                    # comfy-kitchen's own recipe (TensorCoreFP8Layout): scale = amax / 448, then its quantiser.
+                    scale = (tensor.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
+                    current = {"weight": kitchen.quantize_per_tensor_fp8(tensor.float(), scale), "scale": scale}
+                else:
+                    q, scale = kitchen.quantize_int8_rowwise(tensor.float())
+                    current = {"weight": q, "scale": scale.to(torch.float32)}
+                del tensor  # only `current` (what is still to be written) outlives this parameter
+                say(f"{name}: {'quantised as ' + fmt if role == 'weight' else 'kept as stored'}")
+            data = (torch.tensor(list(_comfy_quant(fmt)), dtype=torch.uint8) if role == "config" else
+                    current[role])
+            out.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            del data
+            if role in ("plain", "config"):
+                current = {}
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------------
+
+
+def _write_gguf(path: Path, plan, value, gguf, say) -> None:
+    import numpy as np
+
+    types = gguf.GGMLQuantizationType
+    block, type_size = gguf.GGML_QUANT_SIZES[types.Q8_0]
+    writer = gguf.GGUFWriter(str(path), "minimax_h3")
+    for name, _, shape, dtype, quantise in plan:
+        if quantise:
+            rows, cols = shape
+            writer.add_tensor_info(name, (rows, cols // block * type_size), np.dtype(np.uint8),
+                                   rows * cols // block * type_size, raw_dtype=types.Q8_0)
+        elif dtype == torch.bfloat16:
+            writer.add_tensor_info(name, shape, np.dtype(np.uint16), math.prod(shape) * 2, raw_dtype=types.BF16)
+        else:
+            np_dtype = np.dtype(np.float16 if dtype == torch.float16 else np.float32)
+            writer.add_tensor_info(name, shape, np_dtype, math.prod(shape) * np_dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, spec, shape, dtype, quantise in plan:
+        tensor = value(spec, dtype, shape)
+        if quantise:
+            array = gguf.quants.quantize(tensor.float().numpy(), types.Q8_0)
+        elif dtype == torch.bfloat16:
+            array = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
+        else:
+            array = tensor.to(torch.float16 if dtype == torch.float16 else torch.float32).contiguous().numpy()
+        writer.write_tensor_data(array)
+        say(f"{name}: {'quantised as q8_0' if quantise else 'kept as stored'}")
+        del tensor, array
+    writer.close()
