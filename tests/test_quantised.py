@@ -361,6 +361,9 @@ def test_quantize_round_trip(files, state, inputs, tmp_path, monkeypatch, fmt, c
                                                                           else torch.int8)
         assert json.loads(bytes(stored[f"{COMFY_PREFIX}blocks.0.mlp.fc2.comfy_quant"].tolist()))["format"] == (
             "float8_e4m3fn" if fmt == "fp8" else "int8_tensorwise")
+        # ComfyUI's model detection reads the RoPE table's length (tests/comfy_double/verify_quantized.py loads the
+        # written files with core's UNETLoader): it is written as the release ships it, in fp32.
+        assert torch.equal(stored[f"{COMFY_PREFIX}rope.inv_freq"], state["rope.inv_freq"].float())
     params = _params(h3_core.load_dit(target, dtype=torch.float32))
     for name, value in state.items():
         if name == "rope.inv_freq":

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import CheckpointError, H3Error
 from ..runtime.file_reads import FileReader
+from ..models.dit import RotaryEmbedding3D
 from .dit_loader import COMFY_PREFIX, _expected_tensors, resolve_dit_checkpoint, target_dtype
 from .quantised import gguf_package, kitchen_eager
 
@@ -69,9 +70,14 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
     gguf = gguf_package(target) if fmt == "q8_0" else None
     shapes = _expected_tensors(ckpt.config)
     plan = []  # (parameter name, spec, shape, stored dtype, quantised?)
+    # rope.inv_freq: our loaders recompute it from rope_theta, but ComfyUI's model detection reads its length, so
+    # every written file carries it (fp32, as the release ships it).
+    c = ckpt.config
+    inv_freq = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(torch.float32)
+    plan.append(("rope.inv_freq", None, tuple(inv_freq.shape), torch.float32, False))
     for spec in ckpt.specs:
         if spec.name == "rope.inv_freq":
-            continue  # recomputed from rope_theta by every loader
+            continue  # written above
         stored = ckpt.files[spec.keys[0]].dtype(spec.keys[0])
         dtype = target_dtype(spec.name, stored, None)
         shape = tuple(shapes[spec.name])
@@ -81,6 +87,8 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
     try:
         with closing(FileReader()) as reader:
             def value(spec, dtype, shape):
+                if spec is None:
+                    return inv_freq
                 return ckpt.recipe(spec, lambda stored: dtype, shape).private_value(reader)
 
             if fmt == "q8_0":
