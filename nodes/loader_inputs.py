@@ -96,7 +96,8 @@ def repack_inputs(optional: bool) -> list:
         io.Combo.Input("diffusion_model", options=model_sources.diffusion_model_choices(),
                        default=model_sources.NONE, optional=optional,
                        tooltip="For source 'ComfyUI repack files': the transformer, e.g. "
-                               "minimax_h3_fl2va_bf16.safetensors (int8 / fp8 repacks are refused)."),
+                               "minimax_h3_fl2va_bf16.safetensors; the fp8 / int8 / NVFP4 repacks and .gguf files "
+                               "load too (with the pack's quant extra installed)."),
         io.Combo.Input("text_encoder", options=model_sources.text_encoder_choices(),
                        default=model_sources.NONE, optional=optional,
                        tooltip="For source 'ComfyUI repack files': qwen3vl_32b_minimax_h3_bf16.safetensors."),
