@@ -21,8 +21,7 @@ from .models.dit import H3DiT
 from .models.dit_config import H3DiTConfig
 from .models.text_encoder import TextEncoder
 from .models.tokenizer import H3Tokenizer
-from .pipeline.layout import (LatentShape, PackedLayout, ReferenceBlock, build_packed_layout, build_ref2va_layout,
-                              frames_for_seconds, patchify, unpatchify)
+from .pipeline.layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
 from .pipeline.planning import plan_for_budget
 from .pipeline.sampler import Schedule, denoise, euler_step, initial_noise, row_timesteps, sigma_schedule
 from .pipeline.tiny_default import ensure_tiny_model
@@ -63,8 +62,6 @@ __all__ = [
     "Schedule",
     "TextEncoder",
     "build_packed_layout",
-    "build_ref2va_layout",
-    "ReferenceBlock",
     "check_admission",
     "chunk_rows_for_budget",
     "denoise",

@@ -225,7 +225,7 @@ def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     assert model_sources.h3_folder_choices() == ["(none)", "tiny-copy"]
     sources = model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA", h3_folder="tiny-copy")
     assert sources.transformer == models / "h3" / "tiny-copy" / "diffusion_models" / tiny.joinpath(
-        "diffusion_models").glob("*.safetensors").__next__().name
+        "diffusion_models").glob("*fl2va*.safetensors").__next__().name
     with pytest.raises(H3Error, match="h3_folder: no model folder chosen"):
         model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA")
 

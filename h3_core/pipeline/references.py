@@ -104,11 +104,12 @@ def resolve_canvas(aspect_width: float, aspect_height: float, short_edge: int = 
     return max(multiple, round(height / multiple) * multiple), max(multiple, round(width / multiple) * multiple)
 
 
-def reference_image_scale(width: int, height: int, rule: str, target_width: int, target_height: int) -> float:
+def reference_image_scale(width: int, height: int, rule: str, target_width: int, target_height: int,
+                          short_edge: int = REFERENCE_IMAGE_SHORT_EDGE) -> float:
     if rule == "reference":
-        return REFERENCE_IMAGE_SHORT_EDGE / min(width, height)
+        return short_edge / min(width, height)
     if rule == "max":
-        return min(1.0, REFERENCE_IMAGE_SHORT_EDGE / min(width, height))
+        return min(1.0, short_edge / min(width, height))
     if rule == "match":
         return min(1.0, math.sqrt(target_width * target_height / (width * height)))
     raise H3Error(f"reference_image_size {rule!r}: use one of {', '.join(REFERENCE_IMAGE_SIZES)}.")
@@ -117,7 +118,8 @@ def reference_image_scale(width: int, height: int, rule: str, target_width: int,
 # ---- normalisation --------------------------------------------------------------------------------------------------
 
 
-def normalise_image(image, label: str, rule: str, target_width: int, target_height: int):
+def normalise_image(image, label: str, rule: str, target_width: int, target_height: int,
+                    short_edge: int = REFERENCE_IMAGE_SHORT_EDGE):
     from PIL import Image
 
     try:
@@ -128,7 +130,7 @@ def normalise_image(image, label: str, rule: str, target_width: int, target_heig
     if width > 4 * height or height > 4 * width:
         raise H3Error(f"{label}: the image is {width}x{height}; H3 takes reference images between 1:4 and 4:1. "
                       "Crop it.")
-    scale = reference_image_scale(width, height, rule, target_width, target_height)
+    scale = reference_image_scale(width, height, rule, target_width, target_height, short_edge)
     size = (max(CANVAS_MULTIPLE, round(width * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE),
             max(CANVAS_MULTIPLE, round(height * scale / CANVAS_MULTIPLE) * CANVAS_MULTIPLE))
     if pil.size != size:
@@ -165,7 +167,8 @@ def video_frames_uint8(frames, label: str) -> np.ndarray:
     return frames
 
 
-def normalise_video(frames, fps: float, label: str, num_frames: int) -> np.ndarray:
+def normalise_video(frames, fps: float, label: str, num_frames: int, short_edge: int = CANVAS_SHORT_EDGE,
+                    max_pixels: int = CANVAS_MAX_PIXELS) -> np.ndarray:
     """uint8 frames at 24 fps, at most `num_frames` of them, on the canvas their own aspect ratio resolves to."""
     from PIL import Image
 
@@ -183,7 +186,7 @@ def normalise_video(frames, fps: float, label: str, num_frames: int) -> np.ndarr
     height, width = frames.shape[1:3]
     if width > 4 * height or height > 4 * width:
         raise H3Error(f"{label}: the video is {width}x{height}; H3 takes reference videos between 1:4 and 4:1.")
-    canvas_h, canvas_w = resolve_canvas(width, height)
+    canvas_h, canvas_w = resolve_canvas(width, height, short_edge, max_pixels)
     if (height, width) == (canvas_h, canvas_w):
         return frames
     return np.stack([np.asarray(Image.fromarray(f).resize((canvas_w, canvas_h), Image.Resampling.LANCZOS))
@@ -267,18 +270,23 @@ def _audio_entry(entry, label):
 def build_references(images=(), videos=(), audios=(), *, num_frames: int, width: int, height: int,
                      reference_image_size: str = "reference",
                      names=("reference_images", "reference_videos", "reference_audios"),
-                     labels=None) -> ReferenceRequest:
+                     labels=None, canvas_rules: dict | None = None) -> ReferenceRequest:
     """Check and normalise a request's references; request order is images, then videos, then audios.
 
     `images`: PIL images / [H, W, 3] tensors / paths; `videos`: (frames, waveform | None[, fps[, sample_rate]]);
     `audios`: waveform [C, N] at 32 kHz, or (waveform, sample_rate), or ComfyUI AUDIO dicts. `names` are the
-    surface's argument names and `labels`, optionally, per-entry names for errors (file names in the CLI)."""
+    surface's argument names and `labels`, optionally, per-entry names for errors (file names in the CLI).
+    `canvas_rules` (`sources.canvas_rules`) are the model's canvas short edge / area and image short edge."""
     images, videos, audios = list(images or ()), list(videos or ()), list(audios or ())
     check_reference_counts(len(images), len(videos), len(audios), names)
     if reference_image_size not in REFERENCE_IMAGE_SIZES:
         raise H3Error(f"reference_image_size {reference_image_size!r}: use one of "
                       f"{', '.join(REFERENCE_IMAGE_SIZES)}.")
     labels = labels or {}
+    rules = canvas_rules or {}
+    short_edge = rules.get("canvas_short_edge", CANVAS_SHORT_EDGE)
+    max_pixels = rules.get("canvas_max_pixels", CANVAS_MAX_PIXELS)
+    image_edge = rules.get("reference_image_short_edge", REFERENCE_IMAGE_SHORT_EDGE)
     seconds = num_frames / FPS
     out = []
     for kind, entries, name in (("image", images, names[0]), ("video", videos, names[1]),
@@ -287,10 +295,10 @@ def build_references(images=(), videos=(), audios=(), *, num_frames: int, width:
             label = labels.get((kind, index), f"{name}[{index}]")
             if kind == "image":
                 out.append(Reference("image", image=normalise_image(entry, label, reference_image_size, width,
-                                                                    height), label=label))
+                                                                    height, image_edge), label=label))
             elif kind == "video":
                 frames, audio, fps, rate = _video_entry(entry, label)
-                normalised = normalise_video(frames, fps, label, num_frames)
+                normalised = normalise_video(frames, fps, label, num_frames, short_edge, max_pixels)
                 sound = None if audio is None else normalise_audio(audio, rate, f"{label} (soundtrack)", seconds)
                 out.append(Reference("video", frames=normalised, audio=sound, label=label))
             else:
