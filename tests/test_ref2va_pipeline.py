@@ -202,3 +202,24 @@ def test_the_memory_plan_counts_the_reference_rows_and_phases(sources):
         _dit_estimate(sources.transformer, shape, None)[2] + extra
     transformer = lambda plan: next(p for p in plan.phases if p.name == "sampling").total_bytes
     assert transformer(ref2va) > transformer(plain)
+
+
+def test_reference_encoders_are_phase_scoped_and_released_before_sampling(sources):
+    """Layerwise VAEs: their encoders' weights exist only inside each encode; both VAEs go when sampling starts."""
+    logged = []
+    pipe = H3Pipeline(sources, log=logged.append,
+                      component_options={"video_vae": {"residency": "layerwise"},
+                                         "audio_vae": {"residency": "layerwise"}})
+    given = request(seed=3)
+    refs = build_references(given["reference_images"], given["reference_videos"], given["reference_audios"],
+                            num_frames=FRAMES, width=WIDTH, height=HEIGHT, canvas_rules=canvas_rules(sources))
+    cond = pipe.encode_prompt("a fox", width=WIDTH, height=HEIGHT, references=refs)
+    visual, audio = pipe.encode_references(cond)
+    assert [v.shape[2] for v in visual] == [1, 7, 2] and len(audio) == 2  # image, video 22 -> 7, video 14 -> 5 -> 2
+    assert pipe.loaded == ("audio_vae",)  # the video VAE went when the audio encode started
+    phases = pipe.component("audio_vae").weight_phases
+    assert phases.names == ("encoder",) and phases.materialised() == ()  # its weights released after the encode
+    pipe.sample(cond, LatentShape.for_request(WIDTH, HEIGHT, FRAMES), steps=2, seed=0)
+    assert "sampling: releasing audio_vae (not kept)" in logged
+    assert "reference audio encode: releasing video_vae (not kept)" in logged
+    pipe.release_all()
