@@ -465,7 +465,8 @@ class H3Pipeline:
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
                  audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,
                  loras=None, reference_images=None, reference_videos=None, reference_audios=None,
-                 reference_image_size: str = "reference") -> GenerationResult:
+                 reference_image_size: str = "reference",
+                 references: ReferenceRequest | None = None) -> GenerationResult:
         """Text encode, sample and decode one request. Every argument is checked before any component loads (the
         large-request preflight of the CLI, `request_checks.estimate_request`, is left to the caller).
 
@@ -474,7 +475,8 @@ class H3Pipeline:
         [F, H, W, 3] at 24 fps, optionally followed by their fps and the waveform's sample rate), and
         `reference_audios` (at most 3: a waveform [C, N] at 32 kHz, or `(waveform, sample_rate)`; another rate is
         resampled). Request order: images, then videos, then audios. `reference_image_size`: "reference" (2048-px
-        short edge, as diffusers), "max" (down to it, never up) or "match" (down to the video's area)."""
+        short edge, as diffusers), "max" (down to it, never up) or "match" (down to the video's area).
+        `references`: the same, already normalised (`references.build_references`), instead of the three lists."""
         check_canvas_limit(width, height)
         shape = LatentShape.for_request(width, height, num_frames)
         check_prompt(prompt)
@@ -482,8 +484,11 @@ class H3Pipeline:
         check_seed(seed)
         check_shift(video_shift, "video_shift")
         check_shift(audio_shift, "audio_shift")
-        references = None
-        if reference_images or reference_videos or reference_audios:
+        if references is not None and (reference_images or reference_videos or reference_audios):
+            raise H3Error("give references or reference_images / reference_videos / reference_audios, not both.")
+        if references:
+            self.check_ref2va_transformer()
+        elif reference_images or reference_videos or reference_audios:
             references = build_references(reference_images, reference_videos, reference_audios,
                                           num_frames=num_frames, width=width, height=height,
                                           reference_image_size=reference_image_size,

@@ -299,6 +299,7 @@ def build_references(images=(), videos=(), audios=(), *, num_frames: int, width:
             elif kind == "video":
                 frames, audio, fps, rate = _video_entry(entry, label)
                 normalised = normalise_video(frames, fps, label, num_frames, short_edge, max_pixels)
+                sample_video_for_text_encoder(normalised, label)  # long enough for the text encoder's 2 fps pairs
                 sound = None if audio is None else normalise_audio(audio, rate, f"{label} (soundtrack)", seconds)
                 out.append(Reference("video", frames=normalised, audio=sound, label=label))
             else:
