@@ -13,6 +13,7 @@ from .loader import H3StreamLoader
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_sources import register_h3_folder
+from .references import H3StreamReferences
 from .sampler import H3StreamSampler
 from .text_encode import H3StreamTextEncode
 from .unload import H3StreamUnload
@@ -29,6 +30,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamLoRA,
     H3StreamLatentToCore,
     H3StreamLatentFromCore,
+    H3StreamReferences,
 )
 
 

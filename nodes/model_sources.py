@@ -128,10 +128,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
     if source == TINY:
         from h3_core.pipeline.tiny_default import ensure_tiny_model
 
-        if core_partition != "fl2va":  # not "put the files there": the user did not choose those files
-            raise H3Error(f"partition {partition}: the embedded tiny test model has an FL2VA transformer only; choose "
-                          "FL2VA, or a source with Ref2VA weights.")
-        return resolve_model(ensure_tiny_model(), partition=core_partition)
+        return resolve_model(ensure_tiny_model(), partition=core_partition)  # it has both transformers
     if source == H3_FOLDER:
         name = h3_folder
         if not name or name == NONE:

@@ -202,13 +202,9 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
         assert where == node and message.startswith(expected), (name, message)
 
 
-def test_ref2va_with_the_tiny_model_says_what_to_choose(pack):
-    from h3_core.errors import H3Error
-
-    with pytest.raises(H3Error) as refused:
-        load(pack, partition="Ref2VA")
-    assert str(refused.value) == ("partition Ref2VA: the embedded tiny test model has an FL2VA transformer only; "
-                                  "choose FL2VA, or a source with Ref2VA weights.")
+def test_ref2va_with_the_tiny_model_loads_its_ref2va_transformer(pack):
+    handle = load(pack, partition="Ref2VA")
+    assert handle.pipeline.sources.transformer.name == "minimax_h3_tiny_ref2va_fp32.safetensors"
 
 
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
