@@ -223,3 +223,21 @@ def test_reference_encoders_are_phase_scoped_and_released_before_sampling(source
     assert "sampling: releasing audio_vae (not kept)" in logged
     assert "reference audio encode: releasing video_vae (not kept)" in logged
     pipe.release_all()
+
+
+@pytest.mark.parametrize("glob,key,message", [
+    ("vae/minimax_h3_video_vae*.safetensors", "encoder.conv_in.weight",
+     "tensor 'encoder.conv_in.weight' contains NaN or Inf values, so the video VAE's encoder produced NaN/Inf at "
+     "reference encode (reference_images[0]'s latent). The file is corrupt; download it again."),
+    ("vae/minimax_h3_audio_vae*.safetensors", "encoder.block.0.weight",
+     "tensor 'encoder.block.0.weight' contains NaN or Inf values, so the audio VAE's encoder produced NaN/Inf at "
+     "reference audio encode (reference_audios[0]'s latent). The file is corrupt; download it again."),
+])
+def test_a_corrupt_reference_encoder_is_named(tiny, tmp_path, glob, key, message):
+    from h3_fixtures import tiny_copy_with
+
+    root, _ = tiny_copy_with(tiny, tmp_path, glob, key, float("nan"))
+    pipe = H3Pipeline(resolve_model(root, partition="ref2va"))
+    with pytest.raises(H3Error) as error:
+        generate(pipe, reference_images=[picture(64, 64, 0)], reference_audios=[torch.zeros(1, 3200)])
+    assert str(error.value).endswith(message)
