@@ -110,7 +110,7 @@ def test_sampling_loop_matches_the_reference_ref2va_loop(sources, tmp_path, resi
                             num_frames=FRAMES, width=WIDTH, height=HEIGHT, canvas_rules=canvas_rules(sources))
     cond = pipe.encode_prompt("a fox sings", width=WIDTH, height=HEIGHT, references=refs)
     latents = pipe.sample(cond, LatentShape.for_request(WIDTH, HEIGHT, FRAMES), steps=4, seed=7)
-    visual, audio = pipe.encode_references(cond)
+    visual, audio = pipe.encode_reference_latents(cond)
     pipe.release_all()
     out = reference_loop(reference, cond, refs, visual, audio, steps=4, seed=7)
     nv, na = out["num_condition_video_rows"], out["num_condition_audio_rows"]
@@ -144,7 +144,7 @@ def generate(pipeline, **kw):
                                                               r"height, width, 3\] RGB"),
     (dict(reference_images=[picture(400, 64, 0)]), r"reference_images\[0\]: the image is 400x64; H3 takes reference "
                                                    r"images between 1:4 and 4:1"),
-    (dict(reference_images=["/nonexistent/ref.png"]), r"reference_images\[0\]: /nonexistent/ref.png: no such"),
+    (dict(reference_images=["/nonexistent/ref.png"]), r"reference_images\[0\]: /nonexistent/ref.png: no such reference image file\."),
     (dict(reference_images=[picture(64, 64, 0)], reference_audios=[(torch.zeros(2, 100), 0)]),
      r"reference_audios\[0\]: the sample rate must be a positive whole number of Hz, got 0"),
     (dict(reference_images=[picture(64, 64, 0)], reference_audios=[torch.full((2, 100), float("nan"))]),
@@ -214,7 +214,7 @@ def test_reference_encoders_are_phase_scoped_and_released_before_sampling(source
     refs = build_references(given["reference_images"], given["reference_videos"], given["reference_audios"],
                             num_frames=FRAMES, width=WIDTH, height=HEIGHT, canvas_rules=canvas_rules(sources))
     cond = pipe.encode_prompt("a fox", width=WIDTH, height=HEIGHT, references=refs)
-    visual, audio = pipe.encode_references(cond)
+    visual, audio = pipe.encode_reference_latents(cond)
     assert [v.shape[2] for v in visual] == [1, 7, 2] and len(audio) == 2  # image, video 22 -> 7, video 14 -> 5 -> 2
     assert pipe.loaded == ("audio_vae",)  # the video VAE went when the audio encode started
     phases = pipe.component("audio_vae").weight_phases

@@ -308,7 +308,7 @@ class H3Pipeline:
         video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
         schedule = Schedule.build(steps, video_shift, audio_shift)
         if cond.references:
-            condition_latents, reference_audio = self.encode_references(cond)
+            condition_latents, reference_audio = self.encode_reference_latents(cond)
         else:
             condition_latents, reference_audio = self.encode_keyframes(cond), []
         self.enter_phase("sampling")
@@ -363,7 +363,7 @@ class H3Pipeline:
         return latents
 
     @serialised
-    def encode_references(self, cond: Conditioning) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def encode_reference_latents(self, cond: Conditioning) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The reference-encode phases: the video VAE's latent of every image and video reference (request order;
         images `[1, 24, 1, h, w]`, videos cut down to 17k + 5 frames), with the reference's condition recipe (the
         posterior sampled with seed 42, rounded to float16); then the audio VAE's clean rows `[2 * Ta, 32]`

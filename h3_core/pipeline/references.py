@@ -123,7 +123,7 @@ def normalise_image(image, label: str, rule: str, target_width: int, target_heig
     from PIL import Image
 
     try:
-        pil = _to_pil(image)
+        pil = _to_pil(image, "reference")
     except H3Error as exc:
         raise H3Error(f"{label}: {exc}") from None
     width, height = pil.size
@@ -144,7 +144,7 @@ def video_frames_uint8(frames, label: str) -> np.ndarray:
     if isinstance(frames, (list, tuple)):
         if not frames:
             raise H3Error(f"{label}: the video has no frames.")
-        frames = np.stack([np.asarray(_to_pil(frame)) for frame in frames])
+        frames = np.stack([np.asarray(_to_pil(frame, "video frame")) for frame in frames])
     if isinstance(frames, torch.Tensor):
         frames = frames.detach().cpu()
         if frames.is_floating_point():
