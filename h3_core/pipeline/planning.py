@@ -112,7 +112,8 @@ def reference_rows_estimate(references) -> int:
 
 
 def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
-                  keyframes: bool = False, reference_rows: int = 0) -> tuple[ComponentEstimate, object, int]:
+                  keyframes: bool = False, reference_rows: int = 0,
+                  reference_audio: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
     targets = {spec.name: target_dtype(spec.name, ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
@@ -134,12 +135,13 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     full_length += rows * element * DIT_UNCOUNTED_ROW_WIDTHS * c.hidden_size
     fused_temporaries = rows * element * projection_elements_per_row(c)
     # The step cache's AdaLN tables (host memory through the steps): every block's projection output for each
-    # distinct timestep of every call (text and video, audio, and the keyframes' condition rows).
+    # distinct timestep of every call (text and video, audio, visual condition rows (keyframes, reference images and
+    # videos), reference audio rows).
     adaln_spec = next((spec for spec in ckpt.specs if spec.name == "blocks.0.adaln_proj.linear.weight"), None)
     tables = 0
     if adaln_spec is not None:
         calls = max(1, steps - 1)
-        tables = (c.num_layers * calls * (2 + int(keyframes)) * adaln_spec.shapes[0][0]
+        tables = (c.num_layers * calls * (2 + int(keyframes) + int(reference_audio)) * adaln_spec.shapes[0][0]
                   * _dtype_bytes(targets[adaln_spec.name]))
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
@@ -278,7 +280,10 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     shape = LatentShape.for_request(width, height, num_frames)
     reference_rows = reference_rows_estimate(references) if references else 0
     dit, config, rows = _dit_estimate(sources.transformer, shape, dtype, steps=steps,
-                                      keyframes=keyframes or bool(references), reference_rows=reference_rows)
+                                      keyframes=keyframes or bool(references) and any(
+                                          r.kind != "audio" for r in references.references),
+                                      reference_rows=reference_rows, reference_audio=bool(references) and any(
+                                          r.has_audio for r in references.references))
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer, dtype)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
@@ -293,7 +298,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                      f"{format_bytes(fold_bytes)} to the transformer phase")
     phases = [PhaseSpec(name, component,
                         _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None,
-                        parts=tuple(p for p in PHASE_PARTS[name] if keyframes or p != "vision"),
+                        parts=tuple(p for p in PHASE_PARTS[name] if keyframes or references or p != "vision"),
                         part_activations=_dit_part_activations(config, dtype) if component == "transformer" else ())
               for name, component in PHASES if keyframes or name != "keyframe encode"]
     if references:
