@@ -15,6 +15,7 @@ from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_loader import H3StreamModelLoader
 from .model_sources import register_h3_folder
+from .references import H3StreamReferences
 from .sampler import H3StreamSampler
 from .text_encode import H3StreamTextEncode
 from .unload import H3StreamUnload
@@ -33,6 +34,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamLatentFromCore,
     H3StreamModelLoader,
     H3StreamGenerateRemote,
+    H3StreamReferences,
 )
 
 

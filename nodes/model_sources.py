@@ -22,7 +22,7 @@ COMFY_REPACK = "ComfyUI repack files"
 HUGGING_FACE = "Hugging Face repo"
 SOURCES = (TINY, H3_FOLDER, COMFY_REPACK, HUGGING_FACE)
 PARTITIONS = {"FL2VA": "fl2va", "Ref2VA": "ref2va"}
-TINY_PARTITIONS = ("FL2VA",)  # the embedded tiny model's transformers
+TINY_PARTITIONS = ("FL2VA", "Ref2VA")  # the embedded tiny model's transformers
 H3_FOLDER_KEY = "h3"
 # The first option of every file / folder combo and its default, so that a workflow saved on one machine validates on
 # any other (a combo value must be one of the options); it stands for "not chosen".
@@ -143,10 +143,7 @@ def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffu
     if source == TINY:
         from h3_core.pipeline.tiny_default import ensure_tiny_model
 
-        if core_partition != "fl2va":  # not "put the files there": the user did not choose those files
-            raise H3Error(f"partition {partition}: the embedded tiny test model has an FL2VA transformer only; choose "
-                          "FL2VA, or a source with Ref2VA weights.")
-        return resolve_model(ensure_tiny_model(), partition=core_partition)
+        return resolve_model(ensure_tiny_model(), partition=core_partition)  # it has both transformers
     if source == H3_FOLDER:
         name = h3_folder
         if not name or name == NONE:

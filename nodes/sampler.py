@@ -52,12 +52,18 @@ class H3StreamSampler(io.ComfyNode):
             raise H3Error(f"the keyframes were fitted to {h3_cond.width}x{h3_cond.height} by H3 Text Encode but the "
                           f"sampler makes {width}x{height}; set the same width and height on both nodes.")
         num_frames = frames if frames > 0 else frames_for_seconds(seconds)
+        has_references = bool(getattr(h3_cond.conditioning, "references", None))
+        if has_references and h3_cond.reference_frames != num_frames:
+            raise H3Error(f"the references were cut to {h3_cond.reference_frames} frames by H3 References but the "
+                          f"sampler makes {num_frames}; set the same seconds / frames on both nodes.")
         shape = LatentShape.for_request(width, height, num_frames)
         pipeline, settings = h3_model.pipeline, h3_model.settings
         sources = pipeline.sources
         needed = {"transformer": sources.transformer}
-        if h3_cond.has_keyframes:
+        if h3_cond.has_keyframes or has_references:
             needed["video_vae"] = sources.video_vae
+        if has_references:
+            needed["audio_vae"] = sources.audio_vae
         comfy_runtime.free_memory_for(needed, settings, pipeline.device)
         unique_id = cls.hidden.unique_id
         memory_budget = None

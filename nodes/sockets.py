@@ -15,6 +15,7 @@ from .memory_settings import MemorySettings
 H3Model = io.Custom("H3_MODEL")
 H3Cond = io.Custom("H3_COND")
 H3Latent = io.Custom("H3_LATENT")
+H3Refs = io.Custom("H3_REFS")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class H3Conditioning:
     conditioning: object  # h3_core.pipeline.Conditioning
     width: int
     height: int
+    reference_frames: int = 0  # the frame count Ref2VA references were cut to (0: none)
 
     @property
     def has_keyframes(self) -> bool:

@@ -34,7 +34,7 @@ def fd_count() -> int:
 
 
 @pytest.mark.parametrize("component,key,value,message", [
-    ("diffusion_models/*.safetensors", "blocks.1.mlp.fc2.weight", float("nan"), "the transformer produced NaN/Inf"),
+    ("diffusion_models/*fl2va*.safetensors", "blocks.1.mlp.fc2.weight", float("nan"), "the transformer produced NaN/Inf"),
     ("vae/minimax_h3_video_vae*.safetensors", "decoder.transformer_blocks.0.ff.w2.weight", float("inf"),
      "the video VAE produced NaN/Inf"),
     ("vae/minimax_h3_audio_vae*.safetensors", "decoder.conv_post.weight", float("nan"),

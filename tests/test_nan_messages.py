@@ -70,7 +70,7 @@ OVERFLOW = 3e38  # finite in float32 and bfloat16; any product with it overflows
     (torch.bfloat16, "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."),
 ])
 def test_transformer_overflow_advice_fits_the_run_dtype(tiny, tmp_path, dtype, advice):
-    root, _ = tiny_copy_with(tiny, tmp_path, "diffusion_models/*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
+    root, _ = tiny_copy_with(tiny, tmp_path, "diffusion_models/*fl2va*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
     pipe = H3Pipeline(resolve_model(root), dtype=dtype)
     with pytest.raises(H3Error) as error:
         pipe.generate("a fox", **REQUEST)

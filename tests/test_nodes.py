@@ -205,13 +205,9 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
         assert where == node and message.startswith(expected), (name, message)
 
 
-def test_ref2va_with_the_tiny_model_says_what_to_choose(pack):
-    from h3_core.errors import H3Error
-
-    with pytest.raises(H3Error) as refused:
-        load(pack, partition="Ref2VA")
-    assert str(refused.value) == ("partition Ref2VA: the embedded tiny test model has an FL2VA transformer only; "
-                                  "choose FL2VA, or a source with Ref2VA weights.")
+def test_ref2va_with_the_tiny_model_loads_its_ref2va_transformer(pack):
+    handle = load(pack, partition="Ref2VA")
+    assert handle.pipeline.sources.transformer.name == "minimax_h3_tiny_ref2va_fp32.safetensors"
 
 
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
@@ -228,7 +224,7 @@ def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     assert model_sources.h3_folder_choices() == ["(none)", "tiny-copy"]
     sources = model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA", h3_folder="tiny-copy")
     assert sources.transformer == models / "h3" / "tiny-copy" / "diffusion_models" / tiny.joinpath(
-        "diffusion_models").glob("*.safetensors").__next__().name
+        "diffusion_models").glob("*fl2va*.safetensors").__next__().name
     with pytest.raises(H3Error, match="h3_folder: no model folder chosen"):
         model_sources.resolve_sources(model_sources.H3_FOLDER, "FL2VA")
 

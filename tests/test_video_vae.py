@@ -323,6 +323,25 @@ def test_encode_one_frame_matches_reference(encode_vae, reference):
     assert rel_l2(ours, theirs) <= TOL
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 48, 64, 3), (1, 22, 32, 48, 3)], ids=["image", "video"])
+def test_sampled_posterior_matches_the_reference_condition_encode(encode_vae, reference, shape):
+    """`posterior="sample"` is diffusers' `encode_vae_condition` (Ref2VA references, FL2VA keyframes there): the
+    posterior sampled from a CPU generator seeded 42, rounded to float16, normalised."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
+
+    reference.enable_tiling(32, 32, 16, 16)
+    pixels = (_frames(shape, seed=12) * 255).round().to(torch.uint8)
+    ours = encode_vae.encode(pixels.float() / 255.0, posterior="sample", seed=42)
+    theirs = encode_vae_condition(reference, pixels.permute(0, 4, 1, 2, 3), (0.485, 0.456, 0.406),
+                                  (0.229, 0.224, 0.225), encode_seed=42)
+    assert ours.shape == theirs.shape
+    assert rel_l2(ours, theirs) <= 1e-4  # float16 rounding of a value 1e-7 apart can land one fp16 ulp away
+    mean = encode_vae.encode(pixels.float() / 255.0)
+    assert rel_l2(mean, theirs) > 1e-2  # the sample really differs from the mean on this random VAE
+    with pytest.raises(H3Error, match="posterior must be 'mean' or 'sample', got 'mode'"):
+        encode_vae.encode(pixels.float() / 255.0, posterior="mode")
+
+
 # ---- errors ----------------------------------------------------------------------------------------------------------
 
 

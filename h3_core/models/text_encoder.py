@@ -26,8 +26,9 @@ from ..runtime.chunking import FUSED, RowChunks
 from ..errors import H3Error
 from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.residency import AllResident
+from .tokenizer import ReferenceTokens
 from .vision_tower import (ImageProcessorConfig, PreparedImage, VisionTower, VisionTowerConfig, config_number,
-                           prepare_image)
+                           prepare_image, prepare_video)
 
 
 # ---- configuration ---------------------------------------------------------------------------------------------------
@@ -421,6 +422,45 @@ class TextEncoder(nn.Module):
                           "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
         prepared = [prepare_image(image, self.image_processor, index=i + 1) for i, image in enumerate(images)]
         presentation = self.tokenizer.present(prompt, [image.num_tokens for image in prepared])
+        states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans)
+        return states, torch.tensor(presentation.tags, dtype=torch.long)
+
+
+    @torch.no_grad()
+    def encode_references(self, prompt: str, references) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Ref2VA presentation's `hidden_states[layer]` and tags. `references`, in request order:
+        `("image", image)`, `("video", sampled frames, block seconds, has_audio)` (the 2 fps frames and one time
+        per merged pair) or `("audio",)` (a label only: audio never enters the encoder)."""
+        if self.tokenizer is None:
+            raise H3Error("this text encoder has no tokenizer; load it with h3_core.load_text_encoder(..., "
+                          "tokenizer=<tokenizer.json>).")
+        prepared: list[PreparedImage] = []
+        tokens: list[ReferenceTokens] = []
+        counts = {"image": 0, "video": 0}
+        for entry in references:
+            kind = entry[0]
+            if kind in ("image", "video") and self.vision_tower is None:
+                raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
+                              f"encode reference {kind}s. Use a checkpoint that includes the Qwen3-VL vision tower.")
+            if kind == "image":
+                counts["image"] += 1
+                image = prepare_image(entry[1], self.image_processor, index=counts["image"])
+                prepared.append(image)
+                tokens.append(ReferenceTokens("image", image.num_tokens))
+            elif kind == "video":
+                counts["video"] += 1
+                _, frames, seconds, has_audio = entry
+                blocks = prepare_video(frames, self.image_processor, index=counts["video"])
+                if len(blocks) != len(seconds):
+                    raise H3Error(f"video {counts['video']}: {len(blocks)} merged frame pairs but {len(seconds)} "
+                                  "block timestamps.")
+                prepared.extend(blocks)
+                tokens.append(ReferenceTokens("video", blocks[0].num_tokens, tuple(seconds), bool(has_audio)))
+            elif kind == "audio":
+                tokens.append(ReferenceTokens("audio", has_audio=True))
+            else:
+                raise H3Error(f"reference kind must be 'image', 'video' or 'audio', got {kind!r}.")
+        presentation = self.tokenizer.present_references(prompt, tokens)
         states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans)
         return states, torch.tensor(presentation.tags, dtype=torch.long)
 

@@ -29,6 +29,7 @@ PAD_TOKEN = "<|endoftext|>"
 VISION_START_TOKEN = "<|vision_start|>"
 VISION_END_TOKEN = "<|vision_end|>"
 IMAGE_PAD_TOKEN = "<|image_pad|>"
+VIDEO_PAD_TOKEN = "<|video_pad|>"
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -37,6 +38,32 @@ def picture_label(index: int) -> str:
     if not isinstance(index, int) or index < 1:
         raise H3Error(f"picture index {index!r} must be a positive integer (pictures are numbered from 1).")
     return f"<Picture {index}>: "
+
+
+def audio_label(index: int) -> str:
+    """The label of Ref2VA audio `index` (1-based; a standalone audio or a video's soundtrack): `"<Audio 1>: "`."""
+    return f"<Audio {index}>: "
+
+
+def video_label(index: int) -> str:
+    return f"<Video {index}>: "
+
+
+def seconds_label(seconds: float) -> str:
+    """The label in front of one merged frame pair of a video reference; `.1f` rounds half to even ("<0.2 seconds>"
+    for 0.25 s), as the reference renders it."""
+    return f"<{seconds:.1f} seconds>"
+
+
+@dataclass(frozen=True)
+class ReferenceTokens:
+    """What the presentation needs of one Ref2VA reference: `kind` ("image", "video", "audio"), the vision tokens of
+    an image's block or of each of a video's blocks, a video's block timestamps, and whether it has audio."""
+
+    kind: str
+    vision_tokens: int = 0
+    block_seconds: tuple[float, ...] = ()
+    has_audio: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,5 +190,50 @@ class H3Tokenizer:
         tags += [TEXT_TAG] * len(prompt_ids)
         if not ids:
             # An empty request still needs one row of conditioning; ComfyUI pads with <|endoftext|>.
+            ids, tags = [self.pad_id], [TEXT_TAG]
+        return Presentation(tuple(ids), tuple(tags), tuple(spans))
+
+    def present_references(self, prompt: str, references: Sequence[ReferenceTokens]) -> Presentation:
+        """The Ref2VA presentation, references in request order, each numbered per modality: an audio-bearing
+        reference first gets `"<Audio j>: "` (audio never enters the encoder); an image `"<Picture i>: "` and its
+        vision block; a video `"<Video k>: "` and, per merged frame pair, `"<t seconds>"` and a `<|video_pad|>`
+        vision block. Then the prompt verbatim. `image_spans` lists every vision block's pad run in token order."""
+        ids: list[int] = []
+        tags: list[int] = []
+        spans: list[tuple[int, int]] = []
+
+        def text(value: str) -> None:
+            piece = self.tokenize(value)
+            ids.extend(piece)
+            tags.extend([TEXT_TAG] * len(piece))
+
+        def vision(pad_id: int, count: int, what: str) -> None:
+            if int(count) < 1:
+                raise H3Error(f"{what} has {count} vision tokens; a vision block needs at least one.")
+            spans.append((len(ids) + 1, int(count)))
+            block = [self.vision_start_id] + [pad_id] * int(count) + [self.vision_end_id]
+            ids.extend(block)
+            tags.extend([VIDEO_TAG] * len(block))
+
+        counts = {"image": 0, "video": 0, "audio": 0}
+        for ref in references:
+            if ref.kind not in counts:
+                raise H3Error(f"reference kind must be 'image', 'video' or 'audio', got {ref.kind!r}.")
+            if ref.has_audio or ref.kind == "audio":
+                counts["audio"] += 1
+                text(audio_label(counts["audio"]))
+            if ref.kind == "image":
+                counts["image"] += 1
+                text(picture_label(counts["image"]))
+                vision(self.image_pad_id, ref.vision_tokens, f"reference image {counts['image']}")
+            elif ref.kind == "video":
+                counts["video"] += 1
+                text(video_label(counts["video"]))
+                video_pad = self._require(VIDEO_PAD_TOKEN)
+                for seconds in ref.block_seconds:
+                    text(seconds_label(seconds))
+                    vision(video_pad, ref.vision_tokens, f"reference video {counts['video']}")
+        text(prompt)
+        if not ids:
             ids, tags = [self.pad_id], [TEXT_TAG]
         return Presentation(tuple(ids), tuple(tags), tuple(spans))

@@ -728,13 +728,20 @@ class VideoVAE(nn.Module):
         return out
 
     @torch.no_grad()
-    def encode(self, frames: torch.Tensor) -> torch.Tensor:
-        """Frames `[B, F, H, W, 3]` in [0, 1] -> normalised posterior-mean latent `[B, C, T, H/16, W/16]` (float32).
+    def encode(self, frames: torch.Tensor, *, posterior: str = "mean", seed: int = 42) -> torch.Tensor:
+        """Frames `[B, F, H, W, 3]` in [0, 1] -> normalised latent `[B, C, T, H/16, W/16]` (float32).
 
         17-frame clips (the last padded by repeating its last frame) are encoded one at a time and the last
         `token_drop` latent frames dropped: `17k + 5` frames give `5k + 2` latents. One frame gives one latent.
         The result lives on the model's device.
+
+        `posterior="mean"` (ComfyUI's choice) takes the posterior mean. `posterior="sample"` is the reference
+        pipeline's condition recipe (diffusers `encode_vae_condition`): `mean + exp(logvar / 2) * eps` with logvar
+        clamped to [-30, 20] and eps drawn on the CPU from a generator seeded `seed` (42 in the release),
+        rounded to float16, then normalised.
         """
+        if posterior not in ("mean", "sample"):
+            raise H3Error(f"posterior must be 'mean' or 'sample', got {posterior!r}.")
         c = self.config
         ratio = c.spatial_ratio
         if not isinstance(frames, torch.Tensor) or frames.ndim != 5 or frames.shape[-1] != 3 \
@@ -753,17 +760,25 @@ class VideoVAE(nn.Module):
             return (x - px_mean) / px_std
 
         count = frames.shape[1]
+        # The mean alone unless sampling (then the log-variance half of the moments is kept too).
+        keep = c.latent_channels if posterior == "mean" else 2 * c.latent_channels
         with self.weight_phases.phase("encoder"):  # once for every clip and tile, not per tile
             if count == 1:
-                mean = self.encode_clip(clip_pixels(0, 1))[:, : c.latent_channels, -1:]
+                moments = self.encode_clip(clip_pixels(0, 1))[:, :keep, -1:]
             else:
-                means = []
+                parts = []
                 for start in range(0, count, c.clip_length):
                     x = clip_pixels(start, min(start + c.clip_length, count))
                     if x.shape[2] < c.clip_length:
                         x = torch.cat((x, x[:, :, -1:].expand(-1, -1, c.clip_length - x.shape[2], -1, -1)), dim=2)
-                    means.append(self.encode_clip(x)[:, : c.latent_channels])
-                mean = torch.cat(means, dim=2)
+                    parts.append(self.encode_clip(x)[:, :keep])
+                moments = torch.cat(parts, dim=2)
                 if c.token_drop:
-                    mean = mean[:, :, : -c.token_drop]
+                    moments = moments[:, :, : -c.token_drop]
+        mean = moments[:, : c.latent_channels]
+        if posterior == "sample":
+            std = torch.exp(0.5 * moments[:, c.latent_channels:].clamp(-30.0, 20.0))
+            eps = torch.randn(tuple(mean.shape), generator=torch.Generator("cpu").manual_seed(int(seed)),
+                              dtype=torch.float32).to(mean.device)
+            mean = (mean + std * eps).to(torch.float16).float()
         return (mean - lat_mean) / lat_std

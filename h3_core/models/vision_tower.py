@@ -267,6 +267,74 @@ def prepare_image(image, config: ImageProcessorConfig, index: int = 1) -> Prepar
     return PreparedImage(patches, (1, grid_h, grid_w), m)
 
 
+# The released Qwen3-VL video processor's pixel budget, over all the sampled frames of one video together.
+VIDEO_MIN_PIXELS = 128 * 32 * 32
+VIDEO_MAX_PIXELS = 768 * 32 * 32
+
+
+def fit_video_to_patch_grid(num_frames: int, height: int, width: int, factor: int, temporal: int,
+                            min_pixels: int = VIDEO_MIN_PIXELS, max_pixels: int = VIDEO_MAX_PIXELS) -> tuple[int, int]:
+    """Qwen3-VL's video `smart_resize`: as `fit_to_patch_grid`, but the budget holds for `frames x height x width`
+    (the frame count rounded to the temporal patch)."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise H3Error(f"video of {width}x{height} pixels has an aspect ratio above 200:1; crop it first.")
+    new_h = round(height / factor) * factor
+    new_w = round(width / factor) * factor
+    frames = round(num_frames / temporal) * temporal
+    if frames * new_h * new_w > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        new_h = max(factor, math.floor(height / beta / factor) * factor)
+        new_w = max(factor, math.floor(width / beta / factor) * factor)
+    elif frames * new_h * new_w < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        new_h = math.ceil(height * beta / factor) * factor
+        new_w = math.ceil(width * beta / factor) * factor
+    return new_h, new_w
+
+
+def _normalised_chw(image, config: ImageProcessorConfig) -> torch.Tensor:
+    pixels = (np.asarray(image, dtype=np.float64) * config.rescale_factor).astype(np.float32)
+    pixels = (pixels - np.asarray(config.image_mean, dtype=np.float32)) / np.asarray(config.image_std,
+                                                                                      dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+def _patches(frames: torch.Tensor, config: ImageProcessorConfig) -> torch.Tensor:
+    """(T, C, H, W) normalised frames, T = the temporal patch -> (h * w, C * T * P * P) in merge-window order."""
+    p, m, t = config.patch_size, config.merge_size, config.temporal_patch_size
+    _, c, height, width = frames.shape
+    grid_h, grid_w = height // p, width // p
+    x = frames.reshape(t, c, grid_h // m, m, p, grid_w // m, m, p)
+    x = x.permute(2, 5, 3, 6, 1, 0, 4, 7)  # (block row, block col, row in block, col in block, C, T, py, px)
+    return x.reshape(grid_h * grid_w, c * t * p * p).contiguous()
+
+
+def prepare_video(frames: Sequence, config: ImageProcessorConfig, index: int = 1) -> list[PreparedImage]:
+    """The sampled frames of one video reference (uint8 [H, W, 3] each) -> one prepared block per merged pair
+    (grid `(1, h, w)`, an odd count repeating the last frame), resized together by the video pixel budget
+    (BICUBIC)."""
+    from PIL import Image
+
+    if not len(frames):
+        raise H3Error(f"video {index}: no frames to encode.")
+    height, width = np.asarray(frames[0]).shape[:2]
+    t = config.temporal_patch_size
+    new_h, new_w = fit_video_to_patch_grid(len(frames), height, width, config.factor, t)
+    tensors = []
+    for frame in frames:
+        pil = _to_pil_rgb(np.asarray(frame), index)
+        if pil.size != (new_w, new_h):
+            pil = pil.resize((new_w, new_h), resample=Image.Resampling.BICUBIC)
+        tensors.append(_normalised_chw(pil, config))
+    tensors += [tensors[-1]] * (-len(tensors) % t)
+    p = config.patch_size
+    return [PreparedImage(_patches(torch.stack(tensors[i:i + t]), config), (1, new_h // p, new_w // p),
+                          config.merge_size) for i in range(0, len(tensors), t)]
+
+
 # ---- the tower -------------------------------------------------------------------------------------------------------
 
 

@@ -123,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--partition", choices=("fl2va", "ref2va"), default="fl2va")
     g.add_argument("--first-frame", type=Path, help="keyframe image for the first frame (FL2VA)")
     g.add_argument("--last-frame", type=Path, help="keyframe image for the last frame (FL2VA)")
+    g.add_argument("--ref-image", action="append", default=[], type=Path, metavar="FILE",
+                   help="a reference image (Ref2VA, with --partition ref2va); repeat for several, at most 9")
+    g.add_argument("--ref-video", action="append", default=[], type=Path, metavar="FILE",
+                   help="a reference video, its soundtrack used too (Ref2VA; needs PyAV); repeat, at most 3")
+    g.add_argument("--ref-audio", action="append", default=[], type=Path, metavar="FILE",
+                   help="a reference audio file, resampled to 32 kHz (Ref2VA; needs PyAV); repeat, at most 3. "
+                        "References are read in the order images, videos, audios, each in command-line order")
+    g.add_argument("--ref-image-size", choices=("reference", "max", "match"), default="reference",
+                   help="reference image size: reference (2048-px short edge, as the reference pipeline), max "
+                        "(down to it, never up) or match (down to the video's area)")
     g.add_argument("--residency", choices=("auto", "resident", "layerwise"), default="auto",
                    help="every component: all weights on the device, or streamed block by block "
                         "(auto: layerwise on Apple MPS, resident elsewhere)")
@@ -254,6 +264,7 @@ def check_arguments(args, say) -> dict:
     for flag, path in (("--first-frame", args.first_frame), ("--last-frame", args.last_frame)):
         if path is not None:
             _flagged(flag, check_image_file, path)
+    check_reference_flags(args)
     loras = [parse_lora(text) for text in args.lora]
     recommended = lora_recommendations(loras, args, say)
     steps = recommended.get("steps", defaults["steps"]) if args.steps is None else args.steps
@@ -269,7 +280,57 @@ def check_arguments(args, say) -> dict:
                 audio_shift=audio_shift, loras=loras, out=Path(args.out).expanduser())
 
 
-def check_large_request(args, sources, request, residency) -> None:
+def has_references(args) -> bool:
+    return bool(args.ref_image or args.ref_video or args.ref_audio)
+
+
+def check_reference_flags(args) -> None:
+    """The Ref2VA flags' own checks (counts, files, partition), before any model is resolved."""
+    from .references import check_reference_counts
+
+    if not has_references(args):
+        return
+    flags = ("--ref-image", "--ref-video", "--ref-audio")
+    try:
+        check_reference_counts(len(args.ref_image), len(args.ref_video), len(args.ref_audio), flags)
+    except H3Error as exc:
+        raise CliError(str(exc)) from None
+    if args.partition != "ref2va":
+        raise CliError(f"{' / '.join(f for f, v in zip(flags, (args.ref_image, args.ref_video, args.ref_audio)) if v)}"
+                       ": references need the Ref2VA transformer; add --partition ref2va.")
+    if args.first_frame is not None or args.last_frame is not None:
+        raise CliError("--first-frame / --last-frame cannot be combined with --ref-image / --ref-video / --ref-audio "
+                       "(the Ref2VA layout with keyframes is not implemented); give one or the other.")
+    for path in args.ref_image:
+        _flagged("--ref-image", check_image_file, path)
+    for flag, paths in (("--ref-video", args.ref_video), ("--ref-audio", args.ref_audio)):
+        for path in paths:
+            if not Path(path).expanduser().is_file():
+                raise CliError(f"{flag} {path}: no such file.")
+
+
+def read_references(args, sources, request):
+    """The reference files, decoded and normalised (`references.build_references`), in the flags' words."""
+    from .reference_files import read_audio_file, read_video_file
+    from .references import build_references
+    from .sources import canvas_rules
+
+    if not has_references(args):
+        return None
+    videos = [(frames, waveform, fps, rate) for frames, fps, waveform, rate in
+              (read_video_file(path) for path in args.ref_video)]
+    audios = [read_audio_file(path) for path in args.ref_audio]
+    labels = {(kind, i): f"{flag} {path}" for kind, flag, paths in
+              (("image", "--ref-image", args.ref_image), ("video", "--ref-video", args.ref_video),
+               ("audio", "--ref-audio", args.ref_audio)) for i, path in enumerate(paths)}
+    return build_references(args.ref_image, videos, audios, num_frames=request["num_frames"],
+                            width=request["width"], height=request["height"],
+                            reference_image_size=args.ref_image_size,
+                            names=("--ref-image", "--ref-video", "--ref-audio"), labels=labels,
+                            canvas_rules=canvas_rules(sources))
+
+
+def check_large_request(args, sources, request, residency, references=None) -> None:
     """Refuse a request past the large-request thresholds unless --yes-large, stating its estimates."""
     from ..runtime.file_reads import total_memory_bytes
     from .request_checks import describe_estimate, estimate_request, large_request_reasons
@@ -278,7 +339,7 @@ def check_large_request(args, sources, request, residency) -> None:
                                 num_frames=request["num_frames"], steps=request["steps"], dtype=DTYPES[args.dtype],
                                 chunk_size=args.chunk_size, loras=request["loras"], keep=args.keep,
                                 keyframes=args.first_frame is not None or args.last_frame is not None,
-                                residency=residency)
+                                residency=residency, references=references)
     memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
     reasons = large_request_reasons(request["width"], request["height"], request["steps"], estimate, memory,
                                     size_name="--size", steps_name="--steps")
@@ -326,18 +387,20 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
 
         say("using the embedded tiny random model: it produces noise and only checks the install; "
             "pass --model for real weights")
-        sources = resolve_model(ensure_tiny_model(log=say))
+        sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
     else:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
     from .planning import plan_components
 
     residency = None if args.residency == "auto" else args.residency
-    check_large_request(args, sources, request, residency)
+    references = read_references(args, sources, request)
+    check_large_request(args, sources, request, residency, references)
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
                               memory_budget_gb=args.memory_budget, width=width, height=height,
                               num_frames=num_frames, loras=loras, keep=args.keep, steps=steps,
                               dtype=DTYPES[args.dtype],
-                              keyframes=args.first_frame is not None or args.last_frame is not None, log=say)
+                              keyframes=args.first_frame is not None or args.last_frame is not None, log=say,
+                              references=references)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
@@ -347,7 +410,7 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         result = pipeline.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
                                    seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
                                    video_shift=request["video_shift"], audio_shift=request["audio_shift"],
-                                   progress=bar)
+                                   progress=bar, references=references)
     finally:
         bar.close()
         pipeline.release_all()

@@ -53,13 +53,13 @@ def to_rgb(image, source: str = "keyframe image"):
                       "PNG or JPEG.") from None
 
 
-def open_keyframe(path):
+def open_keyframe(path, what: str = "keyframe image"):
     """Open and fully decode an image file as RGB; one H3Error naming the file when it is not a readable image or
-    is larger than PIL's decompression-bomb limit."""
+    is larger than PIL's decompression-bomb limit. `what` names the image in the messages."""
     from PIL import Image
 
     if not Path(path).is_file():
-        raise H3Error(f"{path}: no such keyframe image file.")
+        raise H3Error(f"{path}: no such {what} file.")
     try:
         with warnings.catch_warnings():
             # Past MAX_IMAGE_PIXELS PIL only warns (past twice that it refuses): refuse both, before decoding.
@@ -71,34 +71,35 @@ def open_keyframe(path):
         # PIL checks the size from the file's header, before decoding; its message gives the pixel count.
         found = re.search(r"\((\d+) pixels\)", str(exc))
         size = f"{int(found.group(1)):,} pixels" if found else "too many pixels"
-        raise H3Error(f"{path}: the keyframe image has {size}, more than PIL's limit of {Image.MAX_IMAGE_PIXELS:,} "
+        raise H3Error(f"{path}: the {what} has {size}, more than PIL's limit of {Image.MAX_IMAGE_PIXELS:,} "
                       "(PIL.Image.MAX_IMAGE_PIXELS, its guard against decompression bombs). It is resized to the "
                       "video canvas anyway: downscale it first, e.g. to the video size.") from None
     except (OSError, ValueError, SyntaxError, EOFError, struct.error) as exc:
-        raise H3Error(f"{path}: cannot read the keyframe image ({exc}); it is not an image file PIL can decode, or "
+        raise H3Error(f"{path}: cannot read the {what} ({exc}); it is not an image file PIL can decode, or "
                       "it is truncated. Save it again as PNG or JPEG.") from None
 
 
-def _to_pil(image):
+def _to_pil(image, what: str = "keyframe"):
     from PIL import Image
     import numpy as np
 
     if isinstance(image, Image.Image):
         return to_rgb(image)
     if isinstance(image, (str, os.PathLike)):
-        return open_keyframe(image)
+        return open_keyframe(image, f"{what} image")
     if isinstance(image, torch.Tensor):
         tensor = image[0] if image.ndim == 4 else image
         if tensor.ndim != 3 or tensor.shape[-1] not in (3, 4):
-            raise H3Error(f"keyframe tensor must be [H, W, 3] (or ComfyUI [1, H, W, 3]) in [0, 1], got shape "
+            raise H3Error(f"{what} tensor must be [H, W, 3] (or ComfyUI [1, H, W, 3]) in [0, 1], got shape "
                           f"{tuple(image.shape)}.")
         if not torch.isfinite(tensor).all():
-            raise H3Error("keyframe image contains NaN or Inf values.")
+            raise H3Error(f"{what} image contains NaN or Inf values.")
         array = (tensor[..., :3].float().clamp(0, 1) * 255).round().to(torch.uint8).cpu().numpy()
         return Image.fromarray(array)
     if isinstance(image, np.ndarray):
-        return _to_pil(torch.from_numpy(image.astype("float32") / (255.0 if image.dtype == np.uint8 else 1.0)))
-    raise H3Error(f"unsupported keyframe type {type(image).__name__}; give a PIL image, a path or an [H, W, 3] tensor.")
+        return _to_pil(torch.from_numpy(image.astype("float32") / (255.0 if image.dtype == np.uint8 else 1.0)), what)
+    raise H3Error(f"unsupported {what} type {type(image).__name__}; give a PIL image, a path or an [H, W, 3] "
+                  "tensor.")
 
 
 def prepare_keyframes(images, width: int, height: int) -> list:

@@ -283,3 +283,149 @@ def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_heig
         text_indices=torch.arange(num_text),
         num_condition_video_rows=num_cond,
     )
+
+
+# ---- Ref2VA -------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ReferenceBlock:
+    """The geometry of one Ref2VA reference block, as its encoded latents give it.
+
+    `kind` is "image", "video" or "audio". Visual references give their latent `(frames, height, width)`; an image
+    has one latent frame. `audio_latents` is the audio latents per channel of an audio reference or of a video's
+    soundtrack (0: a video without sound).
+    """
+
+    kind: str
+    latent_frames: int = 0
+    latent_height: int = 0
+    latent_width: int = 0
+    audio_latents: int = 0
+
+    @property
+    def has_audio(self) -> bool:
+        return self.kind == "audio" or (self.kind == "video" and self.audio_latents > 0)
+
+    def video_rows(self, patch_size=(1, 2, 2)) -> int:
+        _, ph, pw = patch_size
+        return self.latent_frames * (self.latent_height // ph) * (self.latent_width // pw)
+
+
+def _place_audio(pos: np.ndarray, start: int, audio_latents: int, time: float, width_axis: np.ndarray,
+                 audio_channels: int) -> None:
+    """One channel-major audio block from row `start`: time `time + n`, no height, width pinned to the two extremes
+    of `width_axis` (channel 0 left, the others right)."""
+    times = time + np.arange(audio_latents, dtype=np.float64)
+    pinned = [width_axis[0], width_axis[-1]]
+    for ch in range(audio_channels):
+        rows = slice(start + ch * audio_latents, start + (ch + 1) * audio_latents)
+        pos[rows, 0] = times
+        pos[rows, 2] = pinned[min(ch, 1)]
+
+
+def _place_video(pos: np.ndarray, start: int, latent_frames: int, latent_height: int, latent_width: int,
+                 origin: float, patch_size) -> np.ndarray:
+    """Frame-major video rows from `start` with times from `origin`; returns the block's width axis."""
+    grid, width_axis = frame_grid(latent_height, latent_width, patch_size)
+    rows = grid.shape[0]
+    block = pos[start:start + latent_frames * rows].reshape(latent_frames, rows, 3)
+    block[:, :, 0] = latent_frame_times(latent_frames, origin)[:, None]
+    block[:, :, 1:] = grid[None]
+    return width_axis
+
+
+def build_ref2va_layout(text_tags: torch.Tensor, references, latent_frames: int, latent_height: int,
+                        latent_width: int, audio_latents: int, patch_size=(1, 2, 2),
+                        audio_channels: int = AUDIO_CHANNELS) -> PackedLayout:
+    """Layout of a Ref2VA request: `text | reference blocks in request order | target audio | target video`.
+
+    A rotary time cursor starts at the text length. An image takes its own area-normalised grid at the cursor and
+    advances it by 1; an audio reference its `2 x n` rows at `cursor + k`, width pinned to the *target* grid's
+    extremes, advancing by n; a video its soundtrack rows first, then its frames, both from the cursor, the
+    soundtrack's width pinned to the *video's* grid extremes, advancing by max(n, sum of its frame spans) (summed
+    sequentially, as the reference does here). The targets start at the final cursor. `video_indices` lists the
+    reference visual rows (request order), then the target video; `audio_indices` the reference audio rows, then the
+    target audio.
+    """
+    _, ph, pw = patch_size
+    for name, dim, patch in (("latent height", latent_height, ph), ("latent width", latent_width, pw)):
+        if dim % patch:
+            raise H3Error(f"target {name} {dim} is not divisible by the patch {patch}.")
+    references = list(references)
+    for index, ref in enumerate(references, start=1):
+        if ref.kind not in ("image", "video", "audio"):
+            raise H3Error(f"reference {index}: kind must be 'image', 'video' or 'audio', got {ref.kind!r}.")
+        if ref.kind in ("image", "video") and (ref.latent_height % ph or ref.latent_width % pw
+                                               or min(ref.latent_frames, ref.latent_height, ref.latent_width) < 1):
+            raise H3Error(f"reference {index} ({ref.kind}): latent {ref.latent_frames}x{ref.latent_height}x"
+                          f"{ref.latent_width} is empty or not divisible by the patch {ph}x{pw}.")
+        if ref.kind == "image" and ref.latent_frames != 1:
+            raise H3Error(f"reference {index} (image): an image has one latent frame, got {ref.latent_frames}.")
+        if ref.kind == "audio" and ref.audio_latents < 1:
+            raise H3Error(f"reference {index} (audio): an audio reference needs at least one latent.")
+    num_text = int(text_tags.shape[0])
+    ref_audio_rows = sum(audio_channels * ref.audio_latents for ref in references if ref.has_audio)
+    ref_video_rows = sum(ref.video_rows(patch_size) for ref in references if ref.kind != "audio")
+    frame_rows = (latent_height // ph) * (latent_width // pw)
+    num_audio = audio_channels * audio_latents
+    total = num_text + ref_audio_rows + ref_video_rows + num_audio + latent_frames * frame_rows
+
+    pos = np.zeros((total, 3), dtype=np.float64)
+    pos[:num_text, 0] = np.arange(num_text, dtype=np.float64)
+    _, target_width_axis = frame_grid(latent_height, latent_width, patch_size)
+    video_runs, audio_runs = [], []
+    row = num_text
+    cursor = float(num_text)
+    for ref in references:
+        if ref.kind == "image":
+            rows = ref.video_rows(patch_size)
+            _place_video(pos, row, 1, ref.latent_height, ref.latent_width, cursor, patch_size)
+            video_runs.append((row, row + rows))
+            row += rows
+            cursor += 1.0  # one integer rotary slot, not a latent frame's 5/3 units
+        elif ref.kind == "audio":
+            rows = audio_channels * ref.audio_latents
+            _place_audio(pos, row, ref.audio_latents, cursor, target_width_axis, audio_channels)
+            audio_runs.append((row, row + rows))
+            row += rows
+            cursor += float(ref.audio_latents)
+        else:
+            audio_rows = audio_channels * ref.audio_latents
+            video_start = row + audio_rows
+            width_axis = _place_video(pos, video_start, ref.latent_frames, ref.latent_height, ref.latent_width,
+                                      cursor, patch_size)
+            if audio_rows:
+                _place_audio(pos, row, ref.audio_latents, cursor, width_axis, audio_channels)
+                audio_runs.append((row, video_start))
+            rows = ref.video_rows(patch_size)
+            video_runs.append((video_start, video_start + rows))
+            row = video_start + rows
+            span = 0.0
+            for s in latent_frame_spans(ref.latent_frames):  # sequential, not np.sum (pairwise): the reference's
+                span += float(s)
+            cursor += max(float(ref.audio_latents), span)
+
+    audio_start = row
+    video_start = audio_start + num_audio
+    _place_audio(pos, audio_start, audio_latents, cursor, target_width_axis, audio_channels)
+    _place_video(pos, video_start, latent_frames, latent_height, latent_width, cursor, patch_size)
+
+    def runs(pairs):
+        return [torch.arange(a, b) for a, b in pairs]
+
+    video_indices = torch.cat(runs(video_runs) + [torch.arange(video_start, total)])
+    audio_indices = torch.cat(runs(audio_runs) + [torch.arange(audio_start, video_start)])
+    tags = torch.empty(total, dtype=torch.long)
+    tags[:num_text] = text_tags.to(torch.long)
+    tags[audio_indices] = AUDIO_TAG
+    tags[video_indices] = VIDEO_TAG
+    return PackedLayout(
+        position_ids=torch.from_numpy(pos),
+        token_tags=tags,
+        video_indices=video_indices,
+        audio_indices=audio_indices,
+        text_indices=torch.arange(num_text),
+        num_condition_video_rows=ref_video_rows,
+        num_condition_audio_rows=ref_audio_rows,
+    )

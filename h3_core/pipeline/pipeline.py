@@ -28,14 +28,16 @@ from ..errors import H3Error
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.platform import Platform, device_problem
 from .keyframes import pil_to_frames, prepare_keyframes
-from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, build_packed_layout, patchify,
-                     rows_to_audio, unpatchify)
+from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, ReferenceBlock, audio_to_rows, build_packed_layout,
+                     build_ref2va_layout, patchify, rows_to_audio, unpatchify)
 from .media import audio_samples_for_frames
-from .planning import PHASES
+from .planning import PHASES, REFERENCE_PHASES
+from .references import ReferenceRequest, build_references, sample_video_for_text_encoder
 from .request_checks import check_canvas_limit, check_prompt, check_seed, check_shift, check_steps
 from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
                       non_finite_error)
-from .sources import ModelSources, check_components_match, safetensors_files
+from .sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
+                      transformer_partition)
 
 MAX_PROMPT_TOKENS = 4096
 
@@ -50,6 +52,7 @@ class Conditioning:
     tags: torch.Tensor  # [L]
     keyframes: list = field(default_factory=list)  # prepared PIL images, in packed order
     anchors: tuple[str, ...] = ()
+    references: ReferenceRequest | None = None  # Ref2VA references, normalised, in request order
 
 
 @dataclass
@@ -132,6 +135,7 @@ class H3Pipeline:
 
     COMPONENTS = COMPONENTS
     PHASES = PHASES
+    REFERENCE_PHASES = REFERENCE_PHASES
 
     def __init__(self, sources: ModelSources, *, device="cpu", dtype: torch.dtype | None = None,
                  component_options: dict | None = None, keep_text_encoder: bool = False,
@@ -215,9 +219,10 @@ class H3Pipeline:
     @serialised
     def enter_phase(self, phase: str) -> None:
         """Start `phase` (one of `PHASES`): release every loaded component it does not run, unless kept."""
-        runs = dict(self.PHASES).get(phase)
+        runs = dict(self.PHASES + self.REFERENCE_PHASES).get(phase)
         if runs is None:
-            raise H3Error(f"unknown phase {phase!r}; use one of {[name for name, _ in self.PHASES]}.")
+            raise H3Error(f"unknown phase {phase!r}; use one of "
+                          f"{[name for name, _ in self.PHASES + self.REFERENCE_PHASES]}.")
         kept = self.kept
         for name in self.loaded:
             if name != runs and name not in kept:
@@ -245,9 +250,15 @@ class H3Pipeline:
 
     @serialised
     def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
-                      last_frame=None) -> Conditioning:
+                      last_frame=None, references: ReferenceRequest | None = None) -> Conditioning:
+        """The text-encode phase. `references` (from `references.build_references`) makes it the Ref2VA
+        presentation: a label per reference in request order, the vision blocks of images and videos."""
         check_prompt(prompt)
         anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
+        if references and anchors:
+            raise H3Error("first_frame / last_frame and reference images / videos / audios cannot be combined: the "
+                          "Ref2VA layout with keyframes is not implemented. Give either keyframes (FL2VA) or "
+                          "references (Ref2VA).")
         keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
         self.enter_phase("text encode")
         encoder = self.component("text_encoder")
@@ -255,14 +266,32 @@ class H3Pipeline:
         if tokens > MAX_PROMPT_TOKENS:
             raise H3Error(f"the prompt is {tokens} tokens ({len(prompt)} characters); at most {MAX_PROMPT_TOKENS} are "
                           "accepted (H3 was trained on prompts of a few hundred tokens). Shorten it.")
-        states, tags = encoder.encode(prompt, keyframes)
+        if references:
+            states, tags = encoder.encode_references(prompt, self._text_encoder_view(references))
+        else:
+            states, tags = encoder.encode(prompt, keyframes)
         if not self.keep_text_encoder:
             self.release("text_encoder")
         if not torch.isfinite(states).all():
             raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
                                    "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
                                    config=getattr(encoder, "config", None))
-        return Conditioning(states.detach(), tags.detach(), keyframes, anchors)
+        return Conditioning(states.detach(), tags.detach(), keyframes, anchors, references or None)
+
+    @staticmethod
+    def _text_encoder_view(references: ReferenceRequest) -> list[tuple]:
+        """What the text encoder reads of each reference: an image, a video's 2 fps frames and block times, or an
+        audio's label only."""
+        view = []
+        for ref in references.references:
+            if ref.kind == "image":
+                view.append(("image", ref.image))
+            elif ref.kind == "video":
+                frames, seconds = sample_video_for_text_encoder(ref.frames, ref.label)
+                view.append(("video", frames, seconds, ref.has_audio))
+            else:
+                view.append(("audio",))
+        return view
 
     @serialised
     def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
@@ -279,7 +308,10 @@ class H3Pipeline:
         steps, seed = check_steps(steps), check_seed(seed)
         video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
         schedule = Schedule.build(steps, video_shift, audio_shift)
-        condition_latents = self.encode_keyframes(cond)
+        if cond.references:
+            condition_latents, reference_audio = self.encode_reference_latents(cond)
+        else:
+            condition_latents, reference_audio = self.encode_keyframes(cond), []
         self.enter_phase("sampling")
         dit = self.component("transformer")
         if loras is not None and not has_loras(dit, loras):
@@ -288,16 +320,25 @@ class H3Pipeline:
         if cond.states.shape[-1] != config.text_dim:
             raise H3Error(f"the text encoder gives {cond.states.shape[-1]}-wide states but the transformer expects "
                           f"{config.text_dim}; the two checkpoints do not belong together.")
-        layout = build_packed_layout(cond.tags, shape.latent_frames, shape.latent_height, shape.latent_width,
-                                     shape.audio_latents, cond.anchors, config.patch_size)
+        if cond.references:
+            layout = build_ref2va_layout(cond.tags, self._reference_blocks(cond.references, condition_latents,
+                                                                           reference_audio),
+                                         shape.latent_frames, shape.latent_height, shape.latent_width,
+                                         shape.audio_latents, config.patch_size)
+        else:
+            layout = build_packed_layout(cond.tags, shape.latent_frames, shape.latent_height, shape.latent_width,
+                                         shape.audio_latents, cond.anchors, config.patch_size)
+        # One CPU stream: the visual conditions' noises (request order), the video noise, the audio noise.
         noises, video_noise, audio_noise = initial_noise(
             shape.video, 2 * shape.audio_latents, shape.audio_latent_channels, seed,
             [c.shape for c in condition_latents])
         condition_rows = [patchify(noise_condition(c, n), config.patch_size)[0]
                           for c, n in zip(condition_latents, noises)]
         video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
-        result = denoise(dit, cond.states, layout, schedule, video_rows, audio_noise,
-                         num_condition_video_rows=layout.num_condition_video_rows, progress=progress,
+        audio_rows = torch.cat(reference_audio + [audio_noise])  # reference audio rows are clean (t = 1)
+        result = denoise(dit, cond.states, layout, schedule, video_rows, audio_rows,
+                         num_condition_video_rows=layout.num_condition_video_rows,
+                         num_condition_audio_rows=layout.num_condition_audio_rows, progress=progress,
                          check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget))
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
@@ -322,6 +363,60 @@ class H3Pipeline:
             latents.append(latent)
         return latents
 
+    @serialised
+    def encode_reference_latents(self, cond: Conditioning) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reference-encode phases: the video VAE's latent of every image and video reference (request order;
+        images `[1, 24, 1, h, w]`, videos cut down to 17k + 5 frames), with the reference's condition recipe (the
+        posterior sampled with seed 42, rounded to float16); then the audio VAE's clean rows `[2 * Ta, 32]`
+        (posterior mean, channel-major) of every audio reference and soundtrack. The encoders are released when
+        sampling starts (unless kept). `sample` calls it."""
+        refs = cond.references.references
+        visual = []
+        if any(ref.kind != "audio" for ref in refs):
+            self.enter_phase("reference encode")
+            vae = self.component("video_vae")
+            for ref in refs:
+                if ref.kind == "image":
+                    frames = pil_to_frames(ref.image)
+                elif ref.kind == "video":
+                    count = max(1, (ref.frames.shape[0] - 5) // 17) * 17 + 5  # 17k + 5, encoded without padding
+                    frames = torch.from_numpy(ref.frames[:count].astype("float32") / 255.0)[None]
+                else:
+                    continue
+                latent = vae.encode(frames.to(self.device), posterior="sample").float().cpu()
+                if not torch.isfinite(latent).all():
+                    raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
+                                           f"reference encode ({ref.label}'s latent)", dtype=compute_dtype(vae),
+                                           config=getattr(vae, "config", None))
+                visual.append(latent)
+        audio = []
+        if any(ref.has_audio for ref in refs):
+            self.enter_phase("reference audio encode")
+            vae = self.component("audio_vae")
+            for ref in refs:
+                if not ref.has_audio:
+                    continue
+                rows = audio_to_rows(vae.encode(ref.audio[None].to(self.device)).float().cpu())[0]
+                if not torch.isfinite(rows).all():
+                    raise non_finite_error("the audio VAE's encoder", safetensors_files(self.sources.audio_vae),
+                                           f"reference audio encode ({ref.label}'s latent)",
+                                           dtype=compute_dtype(vae), config=getattr(vae, "config", None))
+                audio.append(rows)
+        return visual, audio
+
+    @staticmethod
+    def _reference_blocks(references: ReferenceRequest, visual, audio) -> list[ReferenceBlock]:
+        """Each reference block's geometry, from what its encoders produced."""
+        visual, audio = iter(visual), iter(audio)
+        blocks = []
+        for ref in references.references:
+            frames = height = width = 0
+            if ref.kind != "audio":
+                _, _, frames, height, width = next(visual).shape
+            audio_latents = next(audio).shape[0] // 2 if ref.has_audio else 0
+            blocks.append(ReferenceBlock(ref.kind, frames, height, width, audio_latents))
+        return blocks
+
     @staticmethod
     def _chunking(dit, chunk_size, between_chunks, memory_budget=None) -> ChunkingPolicy | None:
         """This call's chunking: the transformer's policy with the call's overrides (None when there are none)."""
@@ -333,6 +428,12 @@ class H3Pipeline:
         if between_chunks is not None:
             overrides["between_chunks"] = between_chunks
         return dataclasses.replace(dit.chunking, **overrides)  # validated again by ChunkingPolicy
+
+    def check_ref2va_transformer(self) -> None:
+        """References need the Ref2VA transformer; the FL2VA one would ignore what they mean."""
+        if transformer_partition(self.sources.transformer) == "fl2va":
+            raise H3Error(f"references need the Ref2VA transformer, but {self.sources.transformer} is the FL2VA "
+                          "one: load the model with partition='ref2va' (CLI: --partition ref2va).")
 
     @serialised
     def decode_video(self, latents: Latents) -> torch.Tensor:
@@ -366,9 +467,19 @@ class H3Pipeline:
     def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
                  first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
                  audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,
-                 loras=None) -> GenerationResult:
+                 loras=None, reference_images=None, reference_videos=None, reference_audios=None,
+                 reference_image_size: str = "reference",
+                 references: ReferenceRequest | None = None) -> GenerationResult:
         """Text encode, sample and decode one request. Every argument is checked before any component loads (the
-        large-request preflight of the CLI, `request_checks.estimate_request`, is left to the caller)."""
+        large-request preflight of the CLI, `request_checks.estimate_request`, is left to the caller).
+
+        Ref2VA (with the Ref2VA transformer, `partition="ref2va"`): `reference_images` (at most 9: PIL images,
+        [H, W, 3] tensors in [0, 1], paths), `reference_videos` (at most 3: `(frames, waveform | None)`, frames
+        [F, H, W, 3] at 24 fps, optionally followed by their fps and the waveform's sample rate), and
+        `reference_audios` (at most 3: a waveform [C, N] at 32 kHz, or `(waveform, sample_rate)`; another rate is
+        resampled). Request order: images, then videos, then audios. `reference_image_size`: "reference" (2048-px
+        short edge, as diffusers), "max" (down to it, never up) or "match" (down to the video's area).
+        `references`: the same, already normalised (`references.build_references`), instead of the three lists."""
         check_canvas_limit(width, height)
         shape = LatentShape.for_request(width, height, num_frames)
         check_prompt(prompt)
@@ -376,10 +487,20 @@ class H3Pipeline:
         check_seed(seed)
         check_shift(video_shift, "video_shift")
         check_shift(audio_shift, "audio_shift")
+        if references is not None and (reference_images or reference_videos or reference_audios):
+            raise H3Error("give references or reference_images / reference_videos / reference_audios, not both.")
+        if references:
+            self.check_ref2va_transformer()
+        elif reference_images or reference_videos or reference_audios:
+            references = build_references(reference_images, reference_videos, reference_audios,
+                                          num_frames=num_frames, width=width, height=height,
+                                          reference_image_size=reference_image_size,
+                                          canvas_rules=canvas_rules(self.sources))
+            self.check_ref2va_transformer()
         timings = {}
         started = time.perf_counter()
         cond = self.encode_prompt(prompt, width=width, height=height, first_frame=first_frame,
-                                  last_frame=last_frame)
+                                  last_frame=last_frame, references=references)
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
         latents = self.sample(cond, shape, steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,

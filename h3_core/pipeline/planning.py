@@ -29,7 +29,7 @@ from ..runtime.chunking import projection_elements_per_row
 from ..checkpoints.lora_loader import LoraFold, read_lora
 from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, fit_budget, format_bytes
 from ..runtime.platform import Platform
-from .layout import AUDIO_CHANNELS, LatentShape
+from .layout import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
@@ -40,6 +40,7 @@ DEFAULT_STEPS = 50
 # What each phase runs, in order, when its component streams (`PhaseSpec.parts`): phase-scoped weight groups, the
 # DiT's AdaLN plan pass, the block stack.
 PHASE_PARTS = {"text encode": ("embeddings", "vision", "blocks"), "keyframe encode": ("encoder",),
+               "reference encode": ("encoder",), "reference audio encode": ("encoder",),
                "sampling": ("text", "AdaLN plan", "blocks"), "video decode": ("blocks",),
                "audio decode": ("blocks",)}
 # The staging ring's read-ahead the loaders use (`StagedReads`, `read_ahead=1`).
@@ -48,6 +49,9 @@ STAGING_READ_AHEAD = 1
 # starts, every loaded component the phase does not run unless it is kept; the plan sums what each phase holds.
 PHASES = (("text encode", "text_encoder"), ("keyframe encode", "video_vae"), ("sampling", "transformer"),
           ("video decode", "video_vae"), ("audio decode", "audio_vae"))
+# A Ref2VA request encodes its references instead of keyframes, between text encode and sampling: images and
+# videos with the video VAE's encoder, audio references and soundtracks with the audio VAE's.
+REFERENCE_PHASES = (("reference encode", "video_vae"), ("reference audio encode", "audio_vae"))
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -93,15 +97,41 @@ def _weight_groups(ckpt, target, unit_of, scoped) -> tuple[dict, int, int]:
     return g, max((full["units"][u] for u in quantised_units), default=0), full["total"] - g["total"]
 
 
-def packed_rows_estimate(shape: LatentShape) -> int:
+def packed_rows_estimate(shape: LatentShape, reference_rows: int = 0) -> int:
     """Rows of the DiT's packed sequence for a request, before the prompt is tokenised: `TEXT_ROWS_ESTIMATE` text
-    rows, the audio latents of both channels and the 2x2-patched video latents (keyframe rows left out)."""
+    rows, the audio latents of both channels and the 2x2-patched video latents (keyframe rows left out), plus a
+    Ref2VA request's `reference_rows` (`reference_rows_estimate`)."""
     return (TEXT_ROWS_ESTIMATE + AUDIO_CHANNELS * shape.audio_latents
-            + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2))
+            + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2) + int(reference_rows))
+
+
+def reference_rows_estimate(references) -> int:
+    """The rows a Ref2VA request's normalised references (`references.ReferenceRequest`) add: in the DiT, every
+    image's and video's 2x2-patched latent rows and every audio's 2 x latents; in the text, each vision block's
+    tokens (roughly a quarter of its 32-px cells) and the labels."""
+    from .references import sample_video_for_text_encoder
+
+    rows = 0
+    for ref in references.references:
+        if ref.kind == "image":
+            width, height = ref.image.size
+            rows += (height // 32) * (width // 32) * 2  # DiT rows and about as many vision tokens
+        elif ref.kind == "video":
+            frames, height, width = ref.frames.shape[:3]
+            count = max(1, (frames - 5) // 17) * 17 + 5
+            latent_frames = (count - 5) // 17 * 5 + 2
+            rows += latent_frames * (height // 32) * (width // 32)
+            _, blocks = sample_video_for_text_encoder(ref.frames, ref.label)
+            rows += len(blocks) * (2 + (height // 32) * (width // 32))
+        if ref.has_audio:
+            rows += AUDIO_CHANNELS * -(-ref.audio.shape[-1] // (AUDIO_SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND))
+        rows += 8  # the labels
+    return rows
 
 
 def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
-                  keyframes: bool = False) -> tuple[ComponentEstimate, object, int]:
+                  keyframes: bool = False, reference_rows: int = 0,
+                  reference_audio: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
     targets = {spec.name: target_dtype(spec.name, DEQUANTISED_DEFAULT_DTYPE if ckpt.quantised_bytes(spec) else
@@ -117,7 +147,7 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                                                             DIT_PHASE_SCOPED)
     blocks = {u: b for u, b in g["units"].items() if not u.startswith("adaln.")}
     adaln = {u: b for u, b in g["units"].items() if u.startswith("adaln.")}
-    rows = packed_rows_estimate(shape)
+    rows = packed_rows_estimate(shape, reference_rows)
     element = _dtype_bytes(residual_dtype)
     # Full-length buffers every block keeps: residual in and out, K and V, the attention output, per-row modulation.
     full_length = rows * element * (3 * c.hidden_size + 2 * c.inner_dim + 6 * c.hidden_size // 3)
@@ -127,12 +157,13 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     full_length += rows * element * DIT_UNCOUNTED_ROW_WIDTHS * c.hidden_size
     fused_temporaries = rows * element * projection_elements_per_row(c)
     # The step cache's AdaLN tables (host memory through the steps): every block's projection output for each
-    # distinct timestep of every call (text and video, audio, and the keyframes' condition rows).
+    # distinct timestep of every call (text and video, audio, visual condition rows (keyframes, reference images and
+    # videos), reference audio rows).
     adaln_spec = next((spec for spec in ckpt.specs if spec.name == "blocks.0.adaln_proj.linear.weight"), None)
     tables = 0
     if adaln_spec is not None:
         calls = max(1, steps - 1)
-        tables = (c.num_layers * calls * (2 + int(keyframes)) * adaln_spec.shapes[0][0]
+        tables = (c.num_layers * calls * (2 + int(keyframes) + int(reference_audio)) * adaln_spec.shapes[0][0]
                   * _dtype_bytes(targets[adaln_spec.name]))
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
@@ -221,6 +252,25 @@ def _keyframe_activations(video_source, shape: LatentShape) -> int:
     return 2 * shape.height * shape.width * 3 * 4 + 4 * 3 * tile * c.block_out_channels[0] * 4
 
 
+def _reference_activations(video_source, references) -> int:
+    """Encoding the largest visual reference (one at a time): its frames twice (as given and normalised), and one
+    encoder tile per frame of a 17-frame clip, as `_keyframe_activations` counts one frame."""
+    c = resolve_video_vae_checkpoint(video_source).config
+    largest = 0
+    for ref in references.references:
+        if ref.kind == "image":
+            frames, (width, height) = 1, ref.image.size
+        elif ref.kind == "video":
+            frames, height, width = ref.frames.shape[:3]
+        else:
+            continue
+        tile = min(256, height) * min(256, width)
+        # A clip of up to 17 frames plus the causal convolution's 2 padded ones (a keyframe: 1 + 2).
+        largest = max(largest, 2 * frames * height * width * 3 * 4
+                      + 4 * (min(frames, c.clip_length) + 2) * tile * c.block_out_channels[0] * 4)
+    return largest
+
+
 def check_keep(keep) -> tuple[str, ...]:
     """The components to keep loaded through every phase, checked against `COMPONENTS`."""
     keep = tuple(keep)
@@ -234,7 +284,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                     dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=(), keep=(),
                     keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
                     host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
-                    residency: str | Mapping[str, str] | None = None) -> MemoryPlan:
+                    residency: str | Mapping[str, str] | None = None, references=None) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
@@ -247,12 +297,20 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     mapping fixes each named component's (those of a pipeline already built). See `runtime.memory_plan.fit_budget`.
 
     `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
-    memory-mapped, and the device bytes of their largest fold step count with the transformer's activations."""
+    memory-mapped, and the device bytes of their largest fold step count with the transformer's activations.
+
+    `references` (a normalised `references.ReferenceRequest`): a Ref2VA request; its rows count in the
+    transformer's activations and the chunk-size choice, and its reference-encode phases are planned."""
     if budget_bytes <= 0:
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
     keep = check_keep(keep)
     shape = LatentShape.for_request(width, height, num_frames)
-    dit, config, rows = _dit_estimate(sources.transformer, shape, dtype, steps=steps, keyframes=keyframes)
+    reference_rows = reference_rows_estimate(references) if references else 0
+    dit, config, rows = _dit_estimate(sources.transformer, shape, dtype, steps=steps,
+                                      keyframes=keyframes or bool(references) and any(
+                                          r.kind != "audio" for r in references.references),
+                                      reference_rows=reference_rows, reference_audio=bool(references) and any(
+                                          r.has_audio for r in references.references))
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer, dtype)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
@@ -267,9 +325,16 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                      f"{format_bytes(fold_bytes)} to the transformer phase")
     phases = [PhaseSpec(name, component,
                         _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None,
-                        parts=tuple(p for p in PHASE_PARTS[name] if keyframes or p != "vision"),
+                        parts=tuple(p for p in PHASE_PARTS[name] if keyframes or references or p != "vision"),
                         part_activations=_dit_part_activations(config, dtype) if component == "transformer" else ())
               for name, component in PHASES if keyframes or name != "keyframe encode"]
+    if references:
+        reference_phases = [(n, c) for n, c in REFERENCE_PHASES if n == "reference encode"
+                            and any(r.kind != "audio" for r in references.references)
+                            or n == "reference audio encode" and any(r.has_audio for r in references.references)]
+        phases[1:1] = [PhaseSpec(name, component, _reference_activations(sources.video_vae, references)
+                                 if component == "video_vae" else None, parts=PHASE_PARTS[name])
+                       for name, component in reference_phases]
     return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
                       row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes,
                       phases=phases, keep=keep, staging_read_ahead=staging_read_ahead,
@@ -279,7 +344,8 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
                     loras=(), keep=(), keyframes: bool = False, steps: int = DEFAULT_STEPS,
-                    dtype: torch.dtype | None = None, log: Callable[[str], None] | None = None) -> dict:
+                    dtype: torch.dtype | None = None, log: Callable[[str], None] | None = None,
+                    references=None) -> dict:
     """Loader options per component from the user's settings; with a memory budget (GiB), the preflight decides
     (its per-phase breakdown goes to `log`), counting the components in `keep` in every phase, at the run's `dtype`
     and `steps`, with its `residency` unless "auto".
@@ -296,7 +362,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
                                height=height, num_frames=num_frames, dtype=dtype, chunk_size=chunk_size,
                                loras=loras, keep=keep, keyframes=keyframes, steps=steps,
-                               residency=None if residency == "auto" else residency)
+                               residency=None if residency == "auto" else residency, references=references)
         if log:
             log(plan.describe())
         options = {name: dict(plan.component_options.get(name, {})) for name in COMPONENTS}

@@ -126,12 +126,13 @@ class DenoiseResult:
 
 
 def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
-            audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, progress=None,
-            check_interrupt=None, chunking=None, step_cache: bool = True) -> DenoiseResult:
+            audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, num_condition_audio_rows: int = 0,
+            progress=None, check_interrupt=None, chunking=None, step_cache: bool = True) -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
-    condition rows are never updated. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
+    condition rows are never updated. `audio_rows` likewise holds the (clean) reference audio rows of a Ref2VA
+    request first (`num_condition_audio_rows`), then the target noise. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
     step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
     to stop (it is also passed to the model as `before_block`: interruption is honoured within one block).
     `chunking` (a `ChunkingPolicy`) is this run's row chunking; None keeps the model's. Neither changes the model.
@@ -153,6 +154,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     video = video_rows.to(device, torch.float32).clone()
     audio = audio_rows.to(device, torch.float32).clone()
     nc = int(num_condition_video_rows)
+    na = int(num_condition_audio_rows)
     total = schedule.num_model_calls
     calls = [row_timesteps(layout, float(schedule.video_timesteps[i]), float(schedule.audio_timesteps[i]))
              for i in range(total)]
@@ -182,11 +184,11 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                                            config=getattr(model, "config", None))
             video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
                                     schedule.video_sigmas[i + 1])
-            audio = euler_step(audio, v_audio[0], t_audio, schedule.audio_sigmas[i],
-                               schedule.audio_sigmas[i + 1])
+            audio[na:] = euler_step(audio[na:], v_audio[0, na:], t_audio, schedule.audio_sigmas[i],
+                                    schedule.audio_sigmas[i + 1])
             if progress is not None:
                 progress(i + 1, total)
-    return DenoiseResult(video[nc:], audio, plan.host_bytes if plan is not None else 0)
+    return DenoiseResult(video[nc:], audio[na:], plan.host_bytes if plan is not None else 0)
 
 
 def check_finite_inputs(text_states, schedule: Schedule, video_rows, audio_rows) -> None:

@@ -164,3 +164,37 @@ def check_components_match(sources: ModelSources, text_encoder_config=None) -> N
                 f"the transformer ({transformer.source}) takes {meaning} {ours}{unit} but the {what} "
                 f"({other.source}) {gives} {theirs}{unit}: they are not parts of the same H3 model. Use the {what} "
                 "released with this transformer.", path=other.source)
+
+
+def transformer_partition(transformer: os.PathLike) -> str | None:
+    """Which released partition a transformer source is, from where it lies: "ref2va" (`transformer_ref/`,
+    `Ref2VA/transformer/`, a `*ref2va*` file), "fl2va" (`transformer/` of an official folder, `FL2VA/transformer/`,
+    a `*fl2va*` file), None when its place does not say."""
+    path = Path(transformer)
+    name, parent = path.name.lower(), path.parent.name.lower()
+    if "ref2va" in name or name == "transformer_ref" or parent == "ref2va":
+        return "ref2va"
+    if "fl2va" in name or parent == "fl2va":
+        return "fl2va"
+    if name == "transformer" and (path.parent / "vae").is_dir() and (path.parent / "audio_vae").is_dir():
+        return "fl2va"
+    return None
+
+
+# The canvas rules of the released model (`h3-components.md` §5); a model's `model_index.json` `_minimax_h3` block may
+# set its own (`canvas_short_edge`, `canvas_max_pixels`, `reference_image_short_edge`), as the tiny default does.
+CANVAS_RULES = {"canvas_short_edge": 768, "canvas_max_pixels": 768 * 1344, "reference_image_short_edge": 2048}
+
+
+def canvas_rules(sources: ModelSources) -> dict:
+    """The canvas rules Ref2VA references are normalised with: the released ones, or the model folder's own."""
+    block = _minimax_block(sources.root) if sources.root is not None and Path(sources.root).is_dir() else {}
+    rules = dict(CANVAS_RULES)
+    for name in rules:
+        value = block.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 32:
+                raise CheckpointError(f"{Path(sources.root) / 'model_index.json'}: _minimax_h3.{name} must be a whole "
+                                      f"number of pixels >= 32, got {value!r}.", path=sources.root, key=name)
+            rules[name] = value
+    return rules

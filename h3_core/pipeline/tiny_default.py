@@ -126,6 +126,9 @@ def _save(state: dict[str, torch.Tensor], path: Path) -> None:
     save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, str(path))
 
 
+TINY_REF2VA_FILE = "diffusion_models/minimax_h3_tiny_ref2va_fp32.safetensors"
+
+
 def _write_dit(root: Path) -> None:
     from ..models.dit import H3DiT
 
@@ -133,6 +136,16 @@ def _write_dit(root: Path) -> None:
     _randomize(model, seed=1)
     # ComfyUI repack layout: native names, QKV already in logical order; config read from the shapes.
     _save(model.state_dict(), root / "diffusion_models" / "minimax_h3_tiny_fl2va_fp32.safetensors")
+    _write_ref2va_dit(root)
+
+
+def _write_ref2va_dit(root: Path) -> None:
+    """The Ref2VA partition's transformer: the same architecture, its own weights (`--partition ref2va`)."""
+    from ..models.dit import H3DiT
+
+    model = H3DiT(TINY_DIT)
+    _randomize(model, seed=3)
+    _save(model.state_dict(), root / TINY_REF2VA_FILE)
 
 
 def _text_encoder_configs():
@@ -234,6 +247,33 @@ def write_tiny_lora(path: Path) -> Path:
     return path
 
 
+def _model_index() -> str:
+    # The canvas rules scaled down with the model (the released 768-px short edge, 768 x 1344 area and 2048-px
+    # reference images, / 12 and / 16), so that references stay tiny as the generated video does.
+    return json.dumps({
+        "_minimax_h3": {"schema_version": 1, "partition": "fl2va", "tiny_random": True,
+                        "text_encoder_layer": TEXT_ENCODER_LAYER, "canvas_short_edge": 64,
+                        "canvas_max_pixels": 64 * 112, "reference_image_short_edge": 128}}, indent=2)
+
+
+def _add_ref2va(target: Path, root: Path, setting: str) -> None:
+    """Bring a cache written before the Ref2VA transformer existed up to date: the transformer, the index with the
+    canvas rules, the manifest (each file written aside, then renamed into place)."""
+    staged = target / f".ref2va.{os.getpid()}.partial"
+    try:
+        _write_ref2va_dit(staged)
+        (staged / "model_index.json").write_text(_model_index())
+        os.replace(staged / TINY_REF2VA_FILE, target / TINY_REF2VA_FILE)
+        os.replace(staged / "model_index.json", target / "model_index.json")
+        shutil.rmtree(staged, ignore_errors=True)
+        (staged.parent / f".{MANIFEST}.{os.getpid()}.partial").write_text(json.dumps(_manifest(target), indent=2))
+        os.replace(staged.parent / f".{MANIFEST}.{os.getpid()}.partial", target / MANIFEST)
+    except OSError as exc:
+        raise _cache_error(root, setting, f"cannot be written ({exc.strerror or exc})") from None
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+
+
 def write_tiny_model(root: Path) -> Path:
     """Write the whole tiny stack into `root` (a ComfyUI-style models folder)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -242,9 +282,7 @@ def write_tiny_model(root: Path) -> Path:
     _write_vaes(root)
     write_tiny_lora(root / "loras" / TINY_LORA)
     (root / MANIFEST).write_text(json.dumps(_manifest(root), indent=2))
-    (root / "model_index.json").write_text(json.dumps({
-        "_minimax_h3": {"schema_version": 1, "partition": "fl2va", "tiny_random": True,
-                        "text_encoder_layer": TEXT_ENCODER_LAYER}}, indent=2))
+    (root / "model_index.json").write_text(_model_index())
     return root
 
 
@@ -311,6 +349,8 @@ def ensure_tiny_model(cache_dir: str | os.PathLike | None = None, log=None) -> P
         damaged = _damage(target)
         if damaged is None:
             ensure_tiny_lora(root)  # a cache written before the LoRA existed
+            if not (target / TINY_REF2VA_FILE).is_file():  # ... or before the Ref2VA transformer existed
+                _add_ref2va(target, root, setting)
             return target
         if log:
             log(f"note: the cached tiny model in {target} is damaged ({damaged}); regenerating it")
