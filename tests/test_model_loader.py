@@ -129,7 +129,7 @@ def test_a_gpu_profile_on_mps_is_refused_before_anything_loads(pack):
 
 
 @pytest.mark.parametrize("mistake, key", [
-    ({"source.partition": "Ref2VA"}, "source.partition"),  # the tiny model has no Ref2VA transformer
+    ({"source.partition": "ref2va"}, "source.partition"),  # the widget value is Ref2VA
     ({**CUSTOM, "memory_profile.transformer_residency": "layerwise"}, "memory_profile.transformer_residency"),
     ({**CUSTOM, "memory_profile.prefetch": 99}, "memory_profile.prefetch"),
     ({"device": "cuda"}, "device"),  # not a device of this (CPU-only) machine

@@ -129,7 +129,7 @@ def test_each_example_has_a_thumbnail_for_the_template_browser(path):
     from PIL import Image
 
     with Image.open(path.with_suffix(".jpg")) as thumbnail:
-        assert thumbnail.format == "JPEG" and thumbnail.width == 768 and 300 <= thumbnail.height <= 900
+        assert thumbnail.format == "JPEG" and thumbnail.width == 768 and 250 <= thumbnail.height <= 900
     assert path.with_suffix(".jpg").stat().st_size < 200_000
 
 

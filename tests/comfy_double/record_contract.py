@@ -19,7 +19,8 @@ from pathlib import Path
 CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
               "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA",
-              "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamModelLoader", "H3StreamGenerateRemote"]
+              "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamModelLoader", "H3StreamGenerateRemote",
+              "H3StreamReferences"]
 CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "SaveAudioAdvanced", "EmptyMiniMaxH3LatentAV",
               "LTXVSeparateAVLatent", "LTXVConcatAVLatent"]
 # (module, dotted attribute) of every callable whose signature the double must share.

@@ -6,7 +6,7 @@ Checks: `/object_info` lists the pack's node ids; each prompt in example_workflo
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
 outputs exist as non-empty files in the output folder.
 Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0, an unknown
-source or memory profile, Ref2VA on the tiny model; with Load H3 and with the legacy loader) are refused with HTTP 400
+source or memory profile, a partition spelled ref2va; with Load H3 and with the legacy loader) are refused with HTTP 400
 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
 The remote-engine example runs against a local videos-API stand-in (tests/videos_api_server.py) started here, its
@@ -25,9 +25,9 @@ import uuid
 from pathlib import Path
 
 PACK = Path(__file__).resolve().parents[2]
-NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio",
-            "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
-            "H3StreamLatentFromCore", "H3StreamGenerateRemote"]
+NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
+            "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
+            "H3StreamLatentFromCore", "H3StreamGenerateRemote", "H3StreamReferences"]
 
 
 # The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
@@ -227,7 +227,7 @@ def main() -> int:
     custom = {"memory_profile": "custom", **{f"memory_profile.{name}": value for name, value in CUSTOM.items()}}
     legacy = json.loads(json.dumps(example))
     legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
-    mistakes = [(example, loader, "source.partition", "Ref2VA", {}, "not in"),
+    mistakes = [(example, loader, "source.partition", "ref2va", {}, "not in"),
                 (example, loader, "memory_profile.video_vae_residency", "layerwise", custom, "not in"),
                 (example, loader, "memory_profile.transformer_residency", "GPU", custom, "not in"),
                 (example, sampler, "seconds", 0, {}, "smaller than min"),
