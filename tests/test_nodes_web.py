@@ -79,7 +79,7 @@ for (const device of ["cpu", "mps"]) {
     }
     const modelLoader = makeNode(4, "H3StreamModelLoader", ["source", "memory_profile"]);
     ext.nodeCreated(modelLoader);
-    const preflight = "memory_profile 24 GB GPU: plans for 21.60 GiB of 24 GB, at 1344x768, 124 frames: " +
+    const preflight = "memory_profile 24 GB GPU: plans for 21.60 GiB of 24 GiB, at 1344x768, 124 frames: " +
                       "text_encoder layerwise, transformer layerwise";
     modelLoader.onExecuted({ h3_stream_preflight: [preflight] });
     const lines = [];

@@ -258,12 +258,7 @@ def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_heig
         pos[rows, 0] = t
         pos[rows, 1:] = grid
 
-    audio_times = origin + np.arange(audio_latents, dtype=np.float64)
-    pinned_w = [width_axis[0], width_axis[-1]]
-    for ch in range(audio_channels):
-        rows = slice(audio_start + ch * audio_latents, audio_start + (ch + 1) * audio_latents)
-        pos[rows, 0] = audio_times
-        pos[rows, 2] = pinned_w[min(ch, 1)]
+    _place_audio(pos, audio_start, audio_latents, origin, width_axis, audio_channels)
 
     times = latent_frame_times(latent_frames, origin)
     video_pos = pos[video_start:].reshape(latent_frames, frame_rows, 3)

@@ -40,6 +40,7 @@ FREE_USABLE = 0.9
 
 @dataclass(frozen=True)
 class MemoryProfile:
+    # Named as the machines are sold ("24 GB GPU"): their memory is counted in GiB (a 24 GB card has 24 GiB).
     name: str
     nominal_gib: int | None = None  # None: the free memory of the device when the model is chosen
     machine: str | None = None  # "GPU" (a discrete device's memory) or "Mac" (unified memory); None: any
@@ -97,7 +98,7 @@ class ResidencyPlan:
         """The preflight the loader shows: the budget, the request it was planned at, each component's residency."""
         plan, profile = self.plan, self.profile
         size = (f"{format_bytes(plan.budget_bytes)} of the free memory" if profile.nominal_gib is None else
-                f"{format_bytes(plan.budget_bytes)} of {profile.nominal_gib} GB")
+                f"{format_bytes(plan.budget_bytes)} of {profile.nominal_gib} GiB")
         placed = ", ".join(f"{c.name} {c.residency}" for c in plan.components)
         at = (f"{self.request['width']}x{self.request['height']}, {self.request['num_frames']} frames"
               if self.request is DEFAULT_REQUEST else "the weights alone (1344x768, 5 s does not fit)")

@@ -28,7 +28,6 @@ def generate_remote(args, request: dict, before, say, bar) -> list:
     """`bar` is the CLI's progress bar (it hears the server's percent)."""
     from ..remote import RemoteEngine
     from ..remote.videos_client import check_server_url
-    from .media import have_pyav, save_generation
 
     url = check_server_url(args.server, "--server")
     ignored = [flag for flag, name, default in LOCAL_ONLY_FLAGS if getattr(args, name) != default]
@@ -47,12 +46,6 @@ def generate_remote(args, request: dict, before, say, bar) -> list:
                                  progress=bar)
     finally:
         bar.close()
-    out = request["out"]
-    written = save_generation(out, result.frames, result.waveform, result.fps, result.sample_rate)
-    if not have_pyav():
-        say("PyAV is not installed (pip install 'h3-stream[video]'), so frames and audio were written separately")
-    for path in written:
-        replaced = before is not None and path == out
-        say(f"wrote {path}" + (" (replaced the file that was there)" if replaced else ""))
-    say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
-    return written
+    from .cli import write_outputs
+
+    return write_outputs(request["out"], result, before, say)
