@@ -362,6 +362,7 @@ def _identity(path: Path):
 def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     """Run `python -m h3_core generate`. `outputs` (filled in here) holds the --out path and its identity before the
     run, so that an interrupt can say truthfully whether anything was written."""
+    from .media import write_outputs
     from .pipeline import H3Pipeline
     from .sources import resolve_model
 
@@ -470,18 +471,3 @@ def main(argv=None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-
-
-def write_outputs(out, result, before, say) -> list:
-    """Save a run's frames and waveform at `out` (the mp4, or PNG frames and a WAV without PyAV) and say what was
-    written, whether it replaced a file (`before`: what was at `out` when the run started) and the phase timings."""
-    from .media import have_pyav, save_generation
-
-    written = save_generation(out, result.frames, result.waveform, result.fps, result.sample_rate)
-    if not have_pyav():
-        say("PyAV is not installed (pip install 'h3-stream[video]'), so frames and audio were written separately")
-    for path in written:
-        replaced = before is not None and path == out
-        say(f"wrote {path}" + (" (replaced the file that was there)" if replaced else ""))
-    say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
-    return written

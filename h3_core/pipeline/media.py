@@ -223,3 +223,16 @@ def read_mp4(path, sample_rate: int = AUDIO_SAMPLE_RATE, source: str | None = No
     audio = np.concatenate(blocks, axis=1) if blocks else np.zeros((2, 0), dtype=np.float32)
     fps = float(rate) if rate else float(FPS)
     return frames, torch.from_numpy(np.ascontiguousarray(audio, dtype=np.float32)), fps
+
+
+def write_outputs(out, result, before, say) -> list:
+    """Save a run's frames and waveform at `out` (the mp4, or PNG frames and a WAV without PyAV) and say what was
+    written, whether it replaced a file (`before`: what was at `out` when the run started) and the phase timings."""
+    written = save_generation(out, result.frames, result.waveform, result.fps, result.sample_rate)
+    if not have_pyav():
+        say("PyAV is not installed (pip install 'h3-stream[video]'), so frames and audio were written separately")
+    for path in written:
+        replaced = before is not None and path == out
+        say(f"wrote {path}" + (" (replaced the file that was there)" if replaced else ""))
+    say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
+    return written

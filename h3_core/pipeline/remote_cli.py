@@ -46,6 +46,6 @@ def generate_remote(args, request: dict, before, say, bar) -> list:
                                  progress=bar)
     finally:
         bar.close()
-    from .cli import write_outputs
+    from .media import write_outputs
 
     return write_outputs(request["out"], result, before, say)
