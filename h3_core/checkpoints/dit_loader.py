@@ -327,10 +327,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
             if layerwise and _offloaded(spec.name):
                 set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))
                 continue
-            if recipe.decode is not None:  # dequantised on the device, from payloads read into private memory
-                set_tensor(model, spec.name, recipe.materialise(device, reader))
-            else:
-                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
+            set_tensor(model, spec.name, recipe.resident_value(device, reader))
     if ckpt.layout != "native":
         c = ckpt.config
         model.rope._buffers["inv_freq"] = RotaryEmbedding3D.frequencies(c.rope_freq_dim, c.rope_theta).to(device)

@@ -448,10 +448,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
                 recipes[spec.name] = recipe
                 set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))
                 continue
-            if recipe.decode is not None:
-                set_tensor(model, spec.name, recipe.materialise(device, reader))
-            else:
-                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
+            set_tensor(model, spec.name, recipe.resident_value(device, reader))
     if layerwise:
         blocks = [(f"{STREAMED_LAYER_PREFIX}{i}.",) for i in range(len(model.language_model.layers))]
         model.language_model.block_residency, model.weight_phases = attach_layerwise(

@@ -160,10 +160,7 @@ def populate(model: nn.Module, ckpt: Checkpoint, device: torch.device, manager: 
                 recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
                 set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))
                 continue
-            if recipe.decode is not None:
-                set_tensor(model, spec.name, recipe.materialise(device, reader))
-            else:
-                set_tensor(model, spec.name, recipe.private_value(reader).to(device))
+            set_tensor(model, spec.name, recipe.resident_value(device, reader))
     if manager is not None:
         manager, model.weight_phases = attach_layerwise(model, recipes, manager, blocks=blocks, phases=phases,
                                                         device=device)

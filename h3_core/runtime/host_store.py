@@ -94,6 +94,13 @@ class HostTensor:
         change the weight)."""
         return self._made(tuple(read_private(s, reader) for s in self.sources))
 
+    def resident_value(self, device: torch.device, reader: FileReader) -> torch.Tensor:
+        """A resident weight on `device`, read into the process's own memory: a quantised one as its stored payloads,
+        dequantised on the device; any other made on the host and moved."""
+        if self.decode is not None:
+            return self.materialise(device, reader)
+        return self.private_value(reader).to(device)
+
     def _made(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
         if self.decode is not None:
             return self.decode(*sources)
