@@ -11,7 +11,7 @@ from comfy_api.latest import io
 from . import comfy_runtime, model_sources
 from .loader import open_model
 from .loader_inputs import model_loader_inputs
-from .memory_settings import MemorySettings
+from .memory_settings import DTYPES, MemorySettings
 from .sockets import H3Model
 
 log = logging.getLogger("h3_stream")
@@ -73,9 +73,7 @@ class H3StreamModelLoader(io.ComfyNode):
         else:
             profile = profile_named(profile_name)
             free = comfy_runtime.free_bytes(torch_device) if profile.nominal_gib is None else None
-            settings_dtype = MemorySettings(residency=(), dtype=dtype).torch_dtype
-            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free,
-                                     dtype=settings_dtype)
+            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free, dtype=DTYPES[dtype])
             settings = MemorySettings.from_plan(planned.plan, profile=profile_name, dtype=dtype,
                                                 device=str(torch_device))
             preflight = planned.describe()

@@ -137,7 +137,6 @@ def open_weights_file(path: Path):
     if path.suffix.lower() == GGUF_SUFFIX:
         return GGUFFile(path)
     return SafetensorsFile(path)
-    return folder(path)
 
 
 def shape_reader(path: Path, files: Mapping[str, SafetensorsFile], what: str, prefix: str = "",
