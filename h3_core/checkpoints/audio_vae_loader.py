@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..models.audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN,
-                                PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD, WEIGHT_NORM_MODULES, AudioVAE,
-                                AudioVAEConfig, fold_weight_norm)
+from ..models.audio_vae import PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN
+from ..models.audio_vae import PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD
+from ..models.audio_vae import WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig, fold_weight_norm
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes, count_indexed,
@@ -260,7 +260,7 @@ def _audio_describe(ckpt: Checkpoint) -> str:
 
 def load_audio_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
                    residency: Residency | str = Residency.RESIDENT, prefetch: int | None = None,
-                   resident_blocks: int | list[int] | None = None, **options) -> AudioVAE:
+                   resident_blocks: int | list[int] | None = None) -> AudioVAE:
     """Load the H3 audio VAE from a diffusers or native `audio_vae/` folder or a ComfyUI single file (float32).
 
     `residency="layerwise"` streams the decoder's upsampling stages, each unit one upsampler with the AMP blocks
@@ -269,8 +269,6 @@ def load_audio_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtyp
     is materialised. The encoder side (encoder, pre_block, posterior projections) is materialised only during
     `encode` (phase "encoder"); conv_pre, the output activation, conv_post and dec_in_proj stay resident.
     """
-    if options:
-        raise TypeError(f"load_audio_vae() got unknown option(s) {sorted(options)}; it takes none.")
     device, manager, ckpt = open_vae("audio_vae", source, resolve_audio_vae_checkpoint, dtype=dtype, device=device,
                                      residency=residency, prefetch=prefetch, resident_blocks=resident_blocks)
     with torch.device("meta"):

@@ -14,8 +14,8 @@ placed, and each problem raises one `CheckpointError` naming the file and key.
 
 from __future__ import annotations
 
-from contextlib import closing
 import os
+from contextlib import closing
 from pathlib import Path
 
 import torch
@@ -32,8 +32,8 @@ from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, Weight
                          count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint, open_folder_files,
                          open_weights_file, read_json, resolve_source, shape_reader, swap_halves)
 from .lora_loader import set_loras
-from .quantised import detect_quantised
 from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
+from .quantised import detect_quantised
 
 COMFY_PREFIX = "model.diffusion_model."
 # Parameters kept float32 whatever dtype is requested: the released checkpoint's fp32 islands.
@@ -275,7 +275,6 @@ def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> t
     return stored if dtype is None else dtype
 
 
-_OPTIONS: tuple[str, ...] = ("chunk_size", "memory_budget", "loras")
 # With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
 PHASE_SCOPED = {"text": ("condition_proj.", "token_refiner.")}
 
@@ -288,7 +287,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
              residency: Residency | str = Residency.RESIDENT,
              prefetch: int | None = None,
              resident_blocks: int | list[int] | None = None,
-             **options) -> H3DiT:
+             chunk_size: int | None = None, memory_budget: int | None = None, loras=None) -> H3DiT:
     """Load the H3 transformer from a diffusers folder, a native release folder or a ComfyUI single file.
 
     `dtype=None` keeps the checkpoint's dtypes (bf16 with fp32 islands for the released weights); a dtype casts
@@ -305,10 +304,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     `loras=[(file, strength), ...]` applies LoRAs (every published H3 format, see `lora_loader`): folded into each
     block when it is materialised, into resident weights once; `h3_core.set_loras(model, ...)` changes them later.
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"load_dit() got unknown option(s) {unknown}; supported: {list(_OPTIONS) or 'none'}.")
-    chunking = ChunkingPolicy(options.get("chunk_size"), options.get("memory_budget"))  # checked before any reading
+    chunking = ChunkingPolicy(chunk_size, memory_budget)  # checked before any reading
     device = torch.device(device)
     manager = residency_manager("transformer", device, residency, prefetch, resident_blocks)
     layerwise = manager is not None
@@ -345,8 +341,8 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     model.chunking = chunking
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
-    if options.get("loras"):
-        set_loras(model, options["loras"])
+    if loras:
+        set_loras(model, loras)
     return model
 
 

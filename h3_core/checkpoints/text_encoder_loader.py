@@ -15,25 +15,25 @@ before anything is placed; each problem raises one `CheckpointError` naming the 
 
 from __future__ import annotations
 
-from contextlib import closing
 import os
 import re
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
 from ..errors import CheckpointError, H3Error
 from ..models.text_encoder import DecoderLayer, LanguageModelConfig, TextEncoder, TextEncoderConfig
-from ..models.tokenizer import TOKENIZER_FILE, H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, H3Tokenizer
+from ..models.tokenizer import H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, TOKENIZER_FILE, H3Tokenizer
 from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
 from ..runtime.chunking import check_chunk_size
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
-                         count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
+from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes, count_indexed,
+                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .quantised import detect_quantised
 from .safetensors_io import SafetensorsFile
@@ -373,7 +373,6 @@ def _find_processor(ckpt: Checkpoint, tokenizer: H3Tokenizer, processor) -> tupl
 # ---- building the module ---------------------------------------------------------------------------------------------
 
 
-_OPTIONS = ("config", "processor", "chunk_size")
 # With layerwise residency: streamed per decoder layer, or materialised only for one phase of each forward.
 STREAMED_LAYER_PREFIX = "language_model.layers."
 PHASE_SCOPED = {"embeddings": ("language_model.embed_tokens.",), "vision": ("vision_tower.",)}
@@ -387,7 +386,7 @@ def _offloaded(name: str) -> bool:
 def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int = 50, device="cpu",
                       dtype: torch.dtype | None = None, residency: Residency | str = Residency.RESIDENT,
                       prefetch: int | None = None, resident_blocks: int | list[int] | None = None,
-                      **options: Any) -> TextEncoder:
+                      config=None, processor=None, chunk_size: int | None = None) -> TextEncoder:
     """Load H3's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
 
     `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
@@ -395,7 +394,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     beside the model when omitted. `dtype=None` keeps the checkpoint's dtype (bf16 for the release); on the CPU the
     parameters are then the memory-mapped file pages themselves.
 
-    Options: `config` — a config.json path / dict for a single file that is not Qwen3-VL-32B (the ComfyUI repack
+    `config` — a config.json path / dict for a single file that is not Qwen3-VL-32B (the ComfyUI repack
     carries no config); `processor` — a `preprocessor_config.json` (or its folder) for the keyframe preprocessing,
     found beside the model when omitted (else the released Qwen3-VL values); `chunk_size` — rows per chunk of the
     attention queries and the MLP for long prompts (None: fused), bounding the activations to keys, values and one
@@ -408,21 +407,18 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
 
     Returns a `TextEncoder`; `encoder.encode(prompt, images=())` gives `(states [L, hidden], tags [L])`.
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"load_text_encoder() got unknown option(s) {unknown}; supported: {list(_OPTIONS)}.")
-    chunk_size = check_chunk_size(options.get("chunk_size"))  # checked before any reading
+    chunk_size = check_chunk_size(chunk_size)  # checked before any reading
     device = torch.device(device)
     manager = residency_manager("text_encoder", device, residency, prefetch, resident_blocks)
     layerwise = manager is not None
-    ckpt = resolve_text_encoder_checkpoint(source, layer, options.get("config"))
+    ckpt = resolve_text_encoder_checkpoint(source, layer, config)
     h3_tokenizer = _find_tokenizer(ckpt, tokenizer)
     vocab = ckpt.config.language.vocab_size
     if H3_EXTRA_FIRST_ID + len(H3_EXTRA_TOKENS) > vocab:
         raise CheckpointError(f"{ckpt.source}: the embedding has {vocab} rows but the H3 tokenizer "
                               f"({h3_tokenizer.path}) uses ids up to {H3_EXTRA_FIRST_ID + len(H3_EXTRA_TOKENS) - 1}; "
                               "the weights are not a Qwen3-VL text encoder.", path=ckpt.source)
-    image_processor, processor_path = _find_processor(ckpt, h3_tokenizer, options.get("processor"))
+    image_processor, processor_path = _find_processor(ckpt, h3_tokenizer, processor)
     vision = ckpt.config.vision
     if vision is not None and (image_processor.patch_size, image_processor.merge_size,
                                image_processor.temporal_patch_size) != (vision.patch_size, vision.spatial_merge_size,

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..models.video_vae import (PUBLISHED_LATENTS_MEAN as VIDEO_PUBLISHED_MEAN,
-                                PUBLISHED_LATENTS_STD as VIDEO_PUBLISHED_STD, DecodeAutocast, TilingOptions, VideoVAE,
-                                VideoVAEConfig)
+from ..models.video_vae import PUBLISHED_LATENTS_MEAN as VIDEO_PUBLISHED_MEAN
+from ..models.video_vae import PUBLISHED_LATENTS_STD as VIDEO_PUBLISHED_STD
+from ..models.video_vae import DecodeAutocast, TilingOptions, VideoVAE, VideoVAEConfig
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes, count_indexed,
@@ -322,15 +322,14 @@ def _video_describe(ckpt: Checkpoint) -> str:
 # Materialised only while `encode` runs when loaded layerwise (the decoder's blocks stream instead).
 VIDEO_PHASE_SCOPED = {"encoder": ("encoder.", "quant_conv.")}
 
-_VIDEO_OPTIONS = ("tiling", "tile_size", "tile_min_overlap", "decode_autocast")
-
 
 def load_video_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | None = None,
                    residency: Residency | str = Residency.RESIDENT, prefetch: int | None = None,
-                   resident_blocks: int | list[int] | None = None, **options) -> VideoVAE:
+                   resident_blocks: int | list[int] | None = None, tiling: bool = True, tile_size: int | None = None,
+                   tile_min_overlap: int | None = None, decode_autocast=None) -> VideoVAE:
     """Load the H3 video VAE from a diffusers `vae/` folder, a native `video_vae/` folder or a ComfyUI single file.
 
-    Options: `tiling` (default True: the released frames are tiled ones), `tile_size` / `tile_min_overlap` in pixels
+    `tiling` (default True: the released frames are tiled ones), `tile_size` / `tile_min_overlap` in pixels
     (default 256 / 64, or the native config's values), `decode_autocast` (default: fp16 on CUDA only).
     Weights are float32; on the CPU with an fp32 file they are the memory-mapped file pages themselves.
 
@@ -339,21 +338,18 @@ def load_video_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtyp
     (`prefetch` default 0, 1 on CUDA), `resident_blocks` (the first N, or indices) stay there. The CNN encoder and
     quant_conv are materialised only during `encode` (phase "encoder"). `vae.close()` releases it.
     """
-    unknown = sorted(set(options) - set(_VIDEO_OPTIONS))
-    if unknown:
-        raise TypeError(f"load_video_vae() got unknown option(s) {unknown}; supported: {list(_VIDEO_OPTIONS)}.")
     device, manager, ckpt = open_vae("video_vae", source, resolve_video_vae_checkpoint, dtype=dtype, device=device,
                                      residency=residency, prefetch=prefetch, resident_blocks=resident_blocks)
-    tiling = TilingOptions(
-        enabled=bool(options.get("tiling", True)),
-        tile_size=options.get("tile_size") or ckpt.defaults.get("tile_size", 256),
-        min_overlap=options.get("tile_min_overlap") or ckpt.defaults.get("tile_min_overlap", 64),
+    tiles = TilingOptions(
+        enabled=bool(tiling),
+        tile_size=tile_size or ckpt.defaults.get("tile_size", 256),
+        min_overlap=tile_min_overlap or ckpt.defaults.get("tile_min_overlap", 64),
     )
-    tiling.check(ckpt.config.spatial_ratio)
+    tiles.check(ckpt.config.spatial_ratio)
     autocast = DecodeAutocast(device.type,
-                              Platform.for_device(device).decode_autocast_dtype(options.get("decode_autocast")))
+                              Platform.for_device(device).decode_autocast_dtype(decode_autocast))
     with torch.device("meta"):
-        model = VideoVAE(ckpt.config, tiling, autocast)
+        model = VideoVAE(ckpt.config, tiles, autocast)
     blocks = [(f"decoder.transformer_blocks.{i}.",) for i in range(ckpt.config.decoder_num_layers)]
     populate(model, ckpt, device, manager, blocks, VIDEO_PHASE_SCOPED)
     return model
