@@ -148,8 +148,8 @@ def run_mode(args) -> dict:
     from PIL import Image
 
     from h3_core.pipeline import H3Pipeline
-    from h3_core.pipeline.planning import TEXT_ROWS_ESTIMATE, plan_for_budget
-    from h3_core.pipeline.sources import ModelSources
+    from h3_core.planning.phase_plans import TEXT_ROWS_ESTIMATE, plan_for_budget
+    from h3_core.sources.model_sources import ModelSources
 
     torch.set_num_threads(args.threads)
     files = json.loads(args.files)

@@ -52,14 +52,15 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from h3_core.models.audio_vae import (PUBLISHED_LATENTS_MEAN as AUDIO_MEAN,  # noqa: E402
-                                      PUBLISHED_LATENTS_STD as AUDIO_STD, RESAMPLE_RATIO, RESAMPLE_TAPS, AudioVAE,
-                                      AudioVAEConfig, resampling_filter)
+from h3_core.models.audio_vae import PUBLISHED_LATENTS_MEAN as AUDIO_MEAN  # noqa: E402
+from h3_core.models.audio_vae import PUBLISHED_LATENTS_STD as AUDIO_STD
+from h3_core.models.audio_vae import RESAMPLE_RATIO, RESAMPLE_TAPS, AudioVAE, AudioVAEConfig, resampling_filter
 from h3_core.models.dit import H3DiT, RotaryEmbedding3D  # noqa: E402
 from h3_core.models.dit_config import H3DiTConfig  # noqa: E402
 from h3_core.models.text_encoder import TextEncoder, TextEncoderConfig  # noqa: E402
-from h3_core.models.video_vae import (PUBLISHED_LATENTS_MEAN as VIDEO_MEAN,  # noqa: E402
-                                      PUBLISHED_LATENTS_STD as VIDEO_STD, VideoVAE, VideoVAEConfig)
+from h3_core.models.video_vae import PUBLISHED_LATENTS_MEAN as VIDEO_MEAN  # noqa: E402
+from h3_core.models.video_vae import PUBLISHED_LATENTS_STD as VIDEO_STD
+from h3_core.models.video_vae import VideoVAE, VideoVAEConfig
 
 CHUNK_BYTES = 64 << 20  # the most one write (and the one temporary it needs) covers
 POOL_ELEMENTS = (1 << 22) + 9  # the normal values every tensor is a window of (odd: never a multiple of a row width)
@@ -448,7 +449,7 @@ def write_text_encoder(folder: str | os.PathLike, layers: int, *, vision_layers:
     """The Qwen3-VL text encoder as an official `text_encoder/` folder at `folder` (config.json, shards + index,
     tokenizer.json, preprocessor_config.json); returns (folder, config) — `load_text_encoder(folder, layer=layers)`
     (H3 reads layer 50 of the 64)."""
-    from h3_core.pipeline.tiny_default import write_tiny_tokenizer
+    from h3_core.sources.tiny_default import write_tiny_tokenizer
 
     folder = Path(folder)
     raw = text_encoder_raw_config(layers, vision_layers, overrides)

@@ -21,24 +21,23 @@ from .models.dit import H3DiT
 from .models.dit_config import H3DiTConfig
 from .models.text_encoder import TextEncoder
 from .models.tokenizer import H3Tokenizer
-from .pipeline.layout import LatentShape, PackedLayout, build_packed_layout, frames_for_seconds, patchify, unpatchify
-from .pipeline.planning import plan_for_budget
+from .pipeline.layout import PackedLayout, build_packed_layout, patchify, unpatchify
 from .pipeline.sampler import Schedule, denoise, euler_step, initial_noise, row_timesteps, sigma_schedule
-from .pipeline.tiny_default import ensure_tiny_model
+from .planning.phase_plans import plan_for_budget
+from .request.grid import LatentShape, frames_for_seconds
 from .runtime.admission import AdmissionError, ComponentPlan, check_admission
-from .runtime.block_hooks import BlockHooks
 from .runtime.chunking import ChunkingError, ChunkingPolicy, EveryNChunks, chunk_rows_for_budget
 from .runtime.layerwise import LayerwiseOffloadManager, layerwise_manager
 from .runtime.phase_scoped import PhaseScopedWeights
 from .runtime.platform import ChunkingBackend, Platform
 from .runtime.residency import AllResident, BlockResidency, Residency, ResidencyError
+from .sources.tiny_default import ensure_tiny_model
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdmissionError",
     "AllResident",
-    "BlockHooks",
     "BlockResidency",
     "CheckpointError",
     "ComponentPlan",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .telemetry import memory_report
 from .sockets import H3Latent, H3Model
+from .telemetry import memory_report
 
 
 class H3StreamDecodeAudio(io.ComfyNode):
@@ -25,7 +25,7 @@ class H3StreamDecodeAudio(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
-        from h3_core.pipeline.layout import AUDIO_SAMPLE_RATE
+        from h3_core.request.grid import AUDIO_SAMPLE_RATE
 
         pipeline = h3_model.pipeline
         comfy_runtime.free_memory_for({"audio_vae": pipeline.sources.audio_vae}, h3_model.settings, pipeline.device)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .telemetry import memory_report
 from .sockets import H3Latent, H3Model
+from .telemetry import memory_report
 
 
 class H3StreamDecodeVideo(io.ComfyNode):
@@ -25,7 +25,7 @@ class H3StreamDecodeVideo(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, h3_latent) -> io.NodeOutput:
-        from h3_core.pipeline.layout import FPS
+        from h3_core.request.grid import FPS
 
         pipeline = h3_model.pipeline
         comfy_runtime.free_memory_for({"video_vae": pipeline.sources.video_vae}, h3_model.settings, pipeline.device)

@@ -49,9 +49,9 @@ class H3StreamGenerateRemote(io.ComfyNode):
     def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 first_frame=None, last_frame=None) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.pipeline.layout import AUDIO_SAMPLE_RATE, frames_for_seconds
         from h3_core.remote import RemoteEngine
         from h3_core.remote.videos_client import check_server_url
+        from h3_core.request.grid import AUDIO_SAMPLE_RATE, frames_for_seconds
 
         error = (canvas_error(width, height) or frame_count_error(seconds, frames)
                  or shift_error(video_shift=video_shift, audio_shift=audio_shift))

@@ -123,7 +123,7 @@ def source_inputs(optional: bool) -> list:
 def model_loader_inputs() -> list:
     """Every input of H3StreamModelLoader: a source that brings only its own inputs, a memory profile (custom brings
     the hand-set widgets), dtype and device. Append only: saved workflows address widgets by position."""
-    from h3_core.pipeline.memory_profiles import CUSTOM, PROFILES
+    from h3_core.planning.memory_profiles import CUSTOM, PROFILES
 
     source = io.DynamicCombo.Input("source", options=[
         io.DynamicCombo.Option(model_sources.TINY, [partition_input(list(model_sources.TINY_PARTITIONS))]),

@@ -10,14 +10,21 @@ from dataclasses import dataclass
 
 import torch
 
+from h3_core import settings
 from h3_core.components import COMPONENTS
 
 RESIDENT = "RESIDENT"
 LAYERWISE_OFFLOAD = "LAYERWISE_OFFLOAD"
 RESIDENCIES = (RESIDENT, LAYERWISE_OFFLOAD)
-# h3_core spells the residencies in lower case (`h3_core.runtime.residency.Residency` values).
-_CORE_RESIDENCY = {RESIDENT: "resident", LAYERWISE_OFFLOAD: "layerwise"}
-DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The widgets' labels (saved workflows hold them) -> h3_core's one spelling (h3_core.settings).
+_CORE_RESIDENCY = {RESIDENT: settings.RESIDENT, LAYERWISE_OFFLOAD: settings.LAYERWISE}
+_CORE_DTYPE = {"auto": "auto", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+DTYPES = tuple(_CORE_DTYPE)
+
+
+def torch_dtype(label: str) -> torch.dtype | None:
+    """The dtype widget's label as a torch dtype (None: the checkpoint's own)."""
+    return settings.dtype_named(_CORE_DTYPE[label])
 MIB = 1 << 20
 
 
@@ -52,7 +59,7 @@ class MemorySettings:
     def from_plan(cls, plan, *, profile: str, dtype: str, device: str) -> "MemorySettings":
         """A memory profile's settings: each component's residency from its residency plan (prefetch the device's
         default, no resident blocks: the plan counts none); the budget goes to H3 Sampler's request plans."""
-        chosen = {c.name: (LAYERWISE_OFFLOAD if c.residency == "layerwise" else RESIDENT) for c in plan.components}
+        chosen = {c.name: (LAYERWISE_OFFLOAD if c.residency == settings.LAYERWISE else RESIDENT) for c in plan.components}
         return cls.build(**chosen, dtype=dtype, device=device, profile=profile,
                          profile_budget_bytes=plan.budget_bytes)
 
@@ -68,7 +75,7 @@ class MemorySettings:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def memory_budget_bytes(self) -> int | None:

@@ -11,7 +11,7 @@ from comfy_api.latest import io
 from . import comfy_runtime, model_sources
 from .loader import open_model
 from .loader_inputs import model_loader_inputs
-from .memory_settings import DTYPES, MemorySettings
+from .memory_settings import MemorySettings, torch_dtype
 from .sockets import H3Model
 
 log = logging.getLogger("h3_stream")
@@ -47,7 +47,7 @@ class H3StreamModelLoader(io.ComfyNode):
     def execute(cls, dtype: str, device: str, source: dict | None = None,
                 memory_profile: dict | None = None) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.pipeline.memory_profiles import CUSTOM, PROFILES, profile_named, residency_plan
+        from h3_core.planning.memory_profiles import CUSTOM, PROFILES, profile_named, residency_plan
 
         node_id = cls.hidden.unique_id
         # ComfyUI validates neither dynamic combo's own value: an unknown one (an API prompt's typo) reaches here as
@@ -73,7 +73,7 @@ class H3StreamModelLoader(io.ComfyNode):
         else:
             profile = profile_named(profile_name)
             free = comfy_runtime.free_bytes(torch_device) if profile.nominal_gib is None else None
-            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free, dtype=DTYPES[dtype])
+            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free, dtype=torch_dtype(dtype))
             settings = MemorySettings.from_plan(planned.plan, profile=profile_name, dtype=dtype,
                                                 device=str(torch_device))
             preflight = planned.describe()

@@ -1,7 +1,7 @@
 """Where the loader finds an H3 model: the embedded tiny test model, a folder under `models/h3/`, the ComfyUI repack
 files in the standard model folders, or a Hugging Face repo id.
 
-ComfyUI's `folder_paths` lists the choices; `h3_core.pipeline.resolve_model` understands the layouts.
+ComfyUI's `folder_paths` lists the choices; `h3_core.sources.resolve_model` understands the layouts.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def register_h3_folder() -> None:
     the turbo example workflow finds its LoRA on a fresh machine."""
     os.makedirs(os.path.join(folder_paths.models_dir, H3_FOLDER_KEY), exist_ok=True)
     folder_paths.add_model_folder_path(H3_FOLDER_KEY, os.path.join(folder_paths.models_dir, H3_FOLDER_KEY))
-    from h3_core.pipeline.tiny_default import ensure_tiny_lora
+    from h3_core.sources.tiny_default import ensure_tiny_lora
 
     try:
         folder_paths.add_model_folder_path("loras", str(ensure_tiny_lora().parent))
@@ -113,7 +113,7 @@ def is_inside(path: str, root: str) -> bool:
 def download_progress(node_id, repo_id: str):
     """ComfyUI's progress bar and the node's text for a Hugging Face download (`progress(done_bytes, total_bytes)`);
     the text changes once per percent."""
-    from h3_core.pipeline.hub import progress_text
+    from h3_core.sources.hub import progress_text
 
     bar, shown = None, None
 
@@ -133,15 +133,15 @@ def download_progress(node_id, repo_id: str):
 def resolve_sources(source: str, partition: str, *, h3_folder: str = NONE, diffusion_model: str = NONE,
                     text_encoder: str = NONE, video_vae: str = NONE, audio_vae: str = NONE,
                     repo_id: str = DEFAULT_REPO_ID, node_id=None):
-    """The `h3_core.pipeline.ModelSources` of the loader's choice (a Hugging Face repo is fetched here, its progress
+    """The `h3_core.sources.ModelSources` of the loader's choice (a Hugging Face repo is fetched here, its progress
     shown on node `node_id`)."""
-    from h3_core.pipeline import ModelSources, resolve_model
+    from h3_core.sources import ModelSources, resolve_model
 
     if partition not in PARTITIONS:
         raise H3Error(f"partition {partition!r} is not one of {list(PARTITIONS)}.")
     core_partition = PARTITIONS[partition]
     if source == TINY:
-        from h3_core.pipeline.tiny_default import ensure_tiny_model
+        from h3_core.sources.tiny_default import ensure_tiny_model
 
         return resolve_model(ensure_tiny_model(), partition=core_partition)  # it has both transformers
     if source == H3_FOLDER:

@@ -9,7 +9,7 @@ from comfy_api.latest import io
 from .request_inputs import frame_count_error, sampler_inputs
 from .sockets import H3Refs
 
-# The released model's limits (h3_core.pipeline.references): one socket per reference it accepts.
+# The released model's limits (h3_core.request.references): one socket per reference it accepts.
 IMAGE_SOCKETS = tuple(f"ref_image_{i}" for i in range(1, 10))
 VIDEO_SOCKETS = tuple(f"ref_video_{i}" for i in range(1, 4))
 AUDIO_SOCKETS = tuple(f"ref_audio_{i}" for i in range(1, 4))
@@ -78,8 +78,8 @@ class H3StreamReferences(io.ComfyNode):
     @classmethod
     def execute(cls, seconds, frames, ref_image_size, **connected) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.pipeline.layout import frames_for_seconds
-        from h3_core.pipeline.references import check_reference_counts
+        from h3_core.request.grid import frames_for_seconds
+        from h3_core.request.references import check_reference_counts
 
         error = frame_count_error(seconds, frames)
         if error:

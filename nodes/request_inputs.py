@@ -6,7 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 # The same limits as the CLI's (--size, --seconds, --frames): one definition in h3_core.
-from h3_core.pipeline.request_checks import MAX_CANVAS, MAX_FRAMES, MAX_SECONDS
+from h3_core.request.generation_request import MAX_CANVAS, MAX_FRAMES, MAX_SECONDS
 
 # The smallest sigma shift a widget takes: the schedule needs a shift above 0.
 MIN_SHIFT = 0.1
@@ -50,7 +50,7 @@ def sampler_inputs() -> list:
 
 def canvas_error(width, height) -> str | None:
     from h3_core.errors import H3Error
-    from h3_core.pipeline.layout import check_canvas
+    from h3_core.request.grid import check_canvas
 
     if width is None or height is None:
         return None  # linked: checked when the node runs
@@ -65,7 +65,7 @@ def canvas_error(width, height) -> str | None:
 
 
 def frame_count_error(seconds, frames) -> str | None:
-    from h3_core.pipeline.layout import align_num_frames, is_aligned_num_frames
+    from h3_core.request.grid import align_num_frames, is_aligned_num_frames
 
     if frames is not None and frames != 0:
         if not 5 <= frames <= MAX_FRAMES:
@@ -82,7 +82,7 @@ def shift_error(**shifts) -> str | None:
     """`video_shift` / `audio_shift` in the widgets' names, when the node runs (ComfyUI refuses a value below the
     widget minimum at validation; a linked value arrives unchecked)."""
     from h3_core.errors import H3Error
-    from h3_core.pipeline.request_checks import check_shift
+    from h3_core.request.generation_request import check_shift
 
     for name, value in shifts.items():
         if value is None:

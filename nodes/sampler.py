@@ -40,7 +40,7 @@ class H3StreamSampler(io.ComfyNode):
     def execute(cls, h3_model, h3_cond, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 chunk_size) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.pipeline.layout import LatentShape, frames_for_seconds
+        from h3_core.request.grid import LatentShape, frames_for_seconds
         from h3_core.runtime.chunking import EveryNChunks
         from h3_core.runtime.platform import Platform
 
@@ -92,8 +92,8 @@ def request_chunk_budget(h3_model, shape, *, keyframes: bool, steps: int, node_i
     """The loader's memory profile, planned for this request before the transformer loads: the bytes one row
     chunk's temporaries may take (None: fused), or one error in this node's words when the request does not fit."""
     from h3_core.errors import H3Error
-    from h3_core.pipeline.memory_profiles import request_plan
-    from h3_core.runtime.memory_plan import MemoryBudgetError
+    from h3_core.planning.memory_plan import MemoryBudgetError
+    from h3_core.planning.memory_profiles import request_plan
 
     settings, pipeline = h3_model.settings, h3_model.pipeline
     resident = tuple(name for name, _ in settings.residency if settings.keeps(name))

@@ -44,8 +44,8 @@ class H3StreamTextEncode(io.ComfyNode):
         pipeline = h3_model.pipeline
         references = None
         if h3_refs is not None:
-            from h3_core.pipeline.references import build_references
-            from h3_core.pipeline.sources import canvas_rules
+            from h3_core.request.references import build_references
+            from h3_core.sources.model_sources import canvas_rules
 
             pipeline.check_ref2va_transformer()
             references = build_references(h3_refs.images, h3_refs.videos, h3_refs.audios,

@@ -22,6 +22,6 @@ def tiny_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny(tiny_cache):
     """The embedded tiny default model's folder (written once per session)."""
-    from h3_core.pipeline.tiny_default import ensure_tiny_model  # imported here: torch comes after the settings
+    from h3_core.sources.tiny_default import ensure_tiny_model
 
     return ensure_tiny_model(tiny_cache)

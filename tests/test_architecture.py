@@ -14,14 +14,24 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "h3_core"
-# Lowest first. A module may import its own layer and the layers before it; the facade (h3_core/__init__.py and
-# __main__.py) may import every layer.
-LAYERS = ("base", "runtime", "models", "checkpoints", "pipeline")
-BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values"}
+# The layers and what each may import besides itself: a partial order, lowest first. `request` is what every front
+# end and both engines share (no loader); `pipeline` (this machine) and `remote` (a server) are the two engines, and
+# neither imports the other; `app` (the CLI) drives both. The facade (h3_core/__init__.py and __main__.py) may import
+# every layer.
+LAYERS = {
+    "base": (),
+    "runtime": ("base",),
+    "models": ("base", "runtime"),
+    "checkpoints": ("base", "runtime", "models"),
+    "request": ("base",),
+    "sources": ("base", "runtime", "models", "checkpoints", "request"),
+    "planning": ("base", "runtime", "models", "checkpoints", "request", "sources"),
+    "pipeline": ("base", "runtime", "models", "checkpoints", "request", "sources", "planning"),
+    "remote": ("base", "request"),
+    "app": ("base", "runtime", "models", "checkpoints", "request", "sources", "planning", "pipeline", "remote"),
+}
+BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values", "h3_core.settings"}
 FACADE = {"h3_core", "h3_core.__main__"}
-# Packages that belong to a layer without being named after it: `remote/` is the pipeline layer's other executor (a
-# server instead of this machine), used by the CLI beside the local pipeline.
-LAYER_OF_PACKAGE = {"remote": "pipeline"}
 PLATFORM_MODULE = "h3_core.runtime.platform"
 
 
@@ -40,8 +50,6 @@ def layer_of(name: str) -> str:
     if name in BASE_MODULES:
         return "base"
     parts = name.split(".")
-    if len(parts) >= 2 and parts[1] in LAYER_OF_PACKAGE:
-        return LAYER_OF_PACKAGE[parts[1]]
     if len(parts) >= 2 and parts[1] in LAYERS:
         return parts[1]
     raise AssertionError(f"{name} belongs to no layer: put it in a layer folder or add it to the base modules")
@@ -80,20 +88,42 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_every_module_is_in_a_layer_and_imports_only_downwards():
+def layer_problems(sources: dict[str, Path]) -> list[str]:
+    """Every import (module level or in a function) from a module to a layer its own may not import, or to the
+    facade."""
+    known = modules()
     problems = []
-    for name, path in modules().items():
+    for name, path in sources.items():
         if name in FACADE:
             continue
-        own = LAYERS.index(layer_of(name))
-        for target, _, line in imports_of(name, path):
-            if target in FACADE:
-                problems.append(f"{path.relative_to(ROOT)}:{line} imports the facade {target}; import the module")
-                continue
-            if LAYERS.index(layer_of(target)) > own:
-                problems.append(f"{path.relative_to(ROOT)}:{line} ({layer_of(name)}) imports {target} "
-                                f"({layer_of(target)}), a higher layer")
-    assert not problems, "\n".join(problems)
+        own = layer_of(name)
+        for imported, names, line in imports_of(name, path):
+            # `from h3_core import settings` imports the module h3_core.settings, not the facade
+            for target in [f"{imported}.{n}" for n in names if f"{imported}.{n}" in known] or [imported]:
+                if target in FACADE:
+                    problems.append(f"{path.name}:{line} imports the facade {target}; import the module")
+                elif layer_of(target) != own and layer_of(target) not in LAYERS[own]:
+                    problems.append(f"{path.name}:{line} ({own}) imports {target} ({layer_of(target)}), which "
+                                    f"{own} may not import")
+    return problems
+
+
+def test_every_module_is_in_a_layer_and_imports_only_the_layers_below_it():
+    assert sorted({layer_of(name) for name in modules() if name not in FACADE}) == sorted(LAYERS)
+    assert layer_problems(modules()) == []
+
+
+def test_the_layer_check_finds_an_upward_import(tmp_path):
+    """The check itself fails on an import that runs up: a function-level import of the pipeline from the remote
+    engine, and one of the CLI from the pipeline."""
+    remote = tmp_path / "remote_engine.py"
+    remote.write_text("def generate():\n    from ..pipeline.pipeline import H3Pipeline\n")
+    pipeline = tmp_path / "pipeline.py"
+    pipeline.write_text("from ..app import cli\n")
+    found = layer_problems({"h3_core.remote.remote_engine": remote, "h3_core.pipeline.pipeline": pipeline})
+    assert len(found) == 2
+    assert "(remote) imports h3_core.pipeline.pipeline (pipeline)" in found[0]
+    assert "(pipeline) imports h3_core.app.cli (app)" in found[1]
 
 
 def test_named_layer_rules():
@@ -103,8 +133,16 @@ def test_named_layer_rules():
         if name in FACADE:
             continue
         layer = layer_of(name)
-        if layer in ("models", "checkpoints"):
-            assert not any(t.startswith("h3_core.pipeline") for t in targets), (name, targets)
+        if layer != "app":
+            assert not any(t.startswith("h3_core.app") for t in targets), (name, targets)
+        if layer == "remote":  # a server is the other engine: no loader, no local pipeline
+            assert not any(t.startswith(("h3_core.pipeline", "h3_core.checkpoints", "h3_core.models"))
+                           for t in targets), (name, targets)
+        if layer == "pipeline":
+            assert not any(t.startswith("h3_core.remote") for t in targets), (name, targets)
+        if layer == "request":  # what both engines share loads nothing
+            assert not any(t.startswith(("h3_core.checkpoints", "h3_core.models", "h3_core.sources"))
+                           for t in targets), (name, targets)
         if layer == "runtime":
             assert not any(t.startswith(("h3_core.models", "h3_core.checkpoints", "h3_core.pipeline"))
                            for t in targets), (name, targets)
@@ -217,7 +255,7 @@ class _Widths:
 
 # The public names the README documents; outside checks import them from `h3_core` whatever moves inside.
 PUBLIC_NAMES = (
-    "AdmissionError AllResident BlockHooks BlockResidency CheckpointError ComponentPlan ChunkingBackend ChunkingError "
+    "AdmissionError AllResident BlockResidency CheckpointError ComponentPlan ChunkingBackend ChunkingError "
     "ChunkingPolicy EveryNChunks H3DiT H3DiTConfig H3Error H3Tokenizer LatentShape LayerwiseOffloadManager "
     "LoraError PackedLayout PhaseScopedWeights PickleCheckpointError Platform Residency ResidencyError Schedule TextEncoder "
     "build_packed_layout check_admission chunk_rows_for_budget denoise ensure_tiny_model euler_step "
@@ -232,6 +270,13 @@ def test_the_facade_keeps_the_public_names():
 
     assert sorted(h3_core.__all__) == sorted(PUBLIC_NAMES)
     assert all(hasattr(h3_core, name) for name in PUBLIC_NAMES)
-    for name in ("H3Pipeline", "ModelSources", "resolve_model", "plan_components", "Conditioning", "Latents",
-                 "GenerationResult"):
-        assert hasattr(pipeline, name), name
+    import h3_core.planning as planning
+    import h3_core.request as request
+    import h3_core.sources as sources
+
+    for package, names in ((pipeline, ("H3Pipeline", "Conditioning", "Latents")),
+                           (sources, ("ModelSources", "resolve_model", "is_repo_id")),
+                           (planning, ("plan_components", "plan_for_budget", "MemoryPlan")),
+                           (request, ("GenerationResult",))):
+        for name in names:
+            assert hasattr(package, name), (package.__name__, name)

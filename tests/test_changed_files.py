@@ -24,7 +24,8 @@ CHILD = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     import torch
     import h3_core
-    from h3_core.pipeline import H3Pipeline, resolve_model
+    from h3_core.pipeline import H3Pipeline
+    from h3_core.sources import resolve_model
 
     folder, how, residency = {folder!r}, {how!r}, {residency!r}
     sources = resolve_model(folder)
@@ -84,8 +85,8 @@ def test_a_loaded_resident_model_is_untouched_by_changes_to_its_files(model_copy
 
 def test_re_reading_a_changed_file_for_a_lora_fold_is_one_error(tiny, tmp_path):
     import h3_core
-    from h3_core.pipeline import resolve_model
-    from h3_core.pipeline.tiny_default import ensure_tiny_lora
+    from h3_core.sources import resolve_model
+    from h3_core.sources.tiny_default import ensure_tiny_lora
 
     folder = tmp_path / "model"
     shutil.copytree(tiny, folder)

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import h3_core
 from h3_core.errors import CheckpointError
-from h3_core.pipeline.tiny_default import TEXT_ENCODER_LAYER
+from h3_core.sources.tiny_default import TEXT_ENCODER_LAYER
 
 # component -> (file inside the tiny model tree, how to load it, (a norm weight, a matrix) it holds)
 COMPONENTS = {

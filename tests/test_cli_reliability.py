@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3_core.app import cli
 from h3_core.errors import H3Error
 from h3_core.pipeline import H3Pipeline
-from h3_core.pipeline import cli
-from h3_core.pipeline.request_checks import (MAX_FRAMES, MAX_SECONDS, check_prompt, check_seed, check_shift,
-                                             estimate_request, large_request_reasons)
+from h3_core.planning.request_estimate import estimate_request, large_request_reasons
+from h3_core.request.generation_request import MAX_FRAMES, MAX_SECONDS, check_prompt, check_seed, check_shift
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,7 +78,7 @@ def test_undecodable_prompt_bytes_give_one_line(tiny, tiny_cache, tmp_path):
 
 
 def test_python_api_prompt_with_a_lone_surrogate(tiny):
-    from h3_core.pipeline import resolve_model
+    from h3_core.sources import resolve_model
 
     pipe = H3Pipeline(resolve_model(tiny))
     with pytest.raises(H3Error, match=r"^prompt: character 2 is a lone surrogate U\+D800, which is not a character; "
@@ -117,7 +117,8 @@ def test_unusable_cache_folder_names_the_variable(cache, message, tmp_path):
     ["--out", "clip.avi"], ["--device", "cuda"], ["--first-frame", "missing.png"], ["--memory-budget", "inf"],
 ])
 def test_checks_run_before_the_model_is_resolved(args, monkeypatch, capsys, tmp_path):
-    from h3_core.pipeline import sources, tiny_default
+    from h3_core.sources import model_sources as sources
+    from h3_core.sources import tiny_default
 
     touched = []
     monkeypatch.setattr(tiny_default, "ensure_tiny_model", lambda *a, **k: touched.append("tiny model"))
@@ -162,7 +163,7 @@ def test_yes_large_runs_a_large_request(tiny, monkeypatch, capsys, tmp_path):
 
 
 def test_the_estimate_follows_the_request(tiny):
-    from h3_core.pipeline import resolve_model
+    from h3_core.sources import resolve_model
 
     sources = resolve_model(tiny)
     small = estimate_request(sources, device="cpu", width=96, height=64, num_frames=39, steps=3)
@@ -177,7 +178,7 @@ def test_the_estimate_follows_the_request(tiny):
 
 
 def _gib(n):
-    from h3_core.runtime.memory_plan import format_bytes
+    from h3_core.planning.memory_plan import format_bytes
 
     return format_bytes(n)
 
@@ -204,8 +205,8 @@ def test_error_after_progress_starts_on_its_own_line(tiny, monkeypatch, capsys, 
 
 
 def plan_options(tiny, **kwargs):
-    from h3_core.pipeline import resolve_model
-    from h3_core.pipeline.planning import plan_components
+    from h3_core.planning.phase_plans import plan_components
+    from h3_core.sources import resolve_model
 
     logged = []
     options = plan_components(resolve_model(tiny), width=96, height=64, num_frames=39, log=logged.append, **kwargs)
@@ -248,9 +249,9 @@ def test_cli_passes_dtype_to_the_planner(tiny, monkeypatch, capsys, tmp_path):
 
 
 def test_the_plan_assumes_the_backends_prefetch(tiny):
-    from h3_core.pipeline import resolve_model
-    from h3_core.pipeline.planning import plan_for_budget
+    from h3_core.planning.phase_plans import plan_for_budget
     from h3_core.runtime.offload_backends import AsyncBackend, OffloadBackend
+    from h3_core.sources import resolve_model
 
     sources = resolve_model(tiny)
     for device, backend in (("cuda", AsyncBackend), ("cpu", OffloadBackend)):
@@ -282,7 +283,7 @@ def test_memory_sizes_are_said_in_gib():
 
 
 def test_api_checks_name_the_argument(tiny):
-    from h3_core.pipeline import resolve_model
+    from h3_core.sources import resolve_model
 
     pipe = H3Pipeline(resolve_model(tiny))
     request = dict(width=64, height=64, num_frames=5, steps=3, seed=1)

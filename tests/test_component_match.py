@@ -7,11 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from h3_fixtures import reference_model, save_comfy
 
 from h3_core.errors import CheckpointError
-from h3_core.pipeline import H3Pipeline, resolve_model
-from h3_core.pipeline.tiny_default import TINY_DIT
-from h3_fixtures import reference_model, save_comfy
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import TINY_DIT
 
 # (which width of the tiny transformer changes, the component it no longer fits, the message's middle)
 MISMATCHES = [

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = r"""
 import json, sys, threading
 import torch
-from h3_core.pipeline import H3Pipeline, resolve_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import resolve_model
 
 torch.set_num_threads(1)
 options = {name: {"residency": "layerwise"} for name in ("transformer", "text_encoder", "video_vae", "audio_vae")}

@@ -15,13 +15,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from h3_fixtures import TINY, reference_model, save_diffusers, save_native
+from vae_fixtures import reference_audio, reference_video, save_audio_diffusers, save_video_diffusers, save_video_native
 
 import h3_core
 from h3_core.errors import CheckpointError
-from h3_core.pipeline.tiny_default import TEXT_ENCODER_LAYER
-from h3_fixtures import TINY, reference_model, save_diffusers, save_native
-from vae_fixtures import reference_audio, reference_video, save_audio_diffusers, save_video_diffusers, \
-    save_video_native
+from h3_core.sources.tiny_default import TEXT_ENCODER_LAYER
 
 BAD_VALUES = ["2", 2.0, True, -1, 0, 10 ** 6, 10 ** 9]
 TESTS = Path(__file__).parent
@@ -29,7 +28,7 @@ TESTS = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, tiny_cache):
-    from h3_core.pipeline.tiny_default import ensure_tiny_model
+    from h3_core.sources.tiny_default import ensure_tiny_model
 
     root = tmp_path_factory.mktemp("configs")
     dit = reference_model(TINY, seed=3)

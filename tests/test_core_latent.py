@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 
+import comfy_double
 import pytest
 import torch
 
-import comfy_double
 from h3_core.errors import H3Error
-from h3_core.pipeline import H3Pipeline, Latents, resolve_model
+from h3_core.pipeline import H3Pipeline, Latents
 from h3_core.pipeline.core_latent import latents_from_core, latents_to_core
-from h3_core.pipeline.layout import LatentShape
-from h3_core.pipeline.media import audio_samples_for_frames
+from h3_core.request.grid import LatentShape, audio_samples_for_frames
+from h3_core.sources import resolve_model
 
 CORE_EMPTY_LATENTS = {
     (96, 64, 5): (5, (1, 24, 2, 4, 6), (1, 32, 2, 8)),

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from h3_fixtures import tiny_copy_with
 
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
-from h3_core.pipeline import H3Pipeline, resolve_model
-from h3_fixtures import tiny_copy_with
-from h3_core.pipeline.tiny_default import ensure_tiny_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
@@ -180,7 +181,7 @@ def test_out_of_memory_inside_a_block(tiny, monkeypatch):
 
 
 def test_cli_ctrl_c_exits_cleanly(tiny, monkeypatch, capsys):
-    from h3_core.pipeline import cli
+    from h3_core.app import cli
 
     released = []
     monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))
@@ -200,7 +201,8 @@ def test_cli_ctrl_c_exits_cleanly(tiny, monkeypatch, capsys):
 SOAK = r"""
 import gc, os, sys, json
 import h3_core
-from h3_core.pipeline import H3Pipeline, resolve_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import resolve_model
 sources = resolve_model(sys.argv[1])
 
 def rss_anon():

@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from loopback_hub import COMMIT, LoopbackHub, Repo  # noqa: E402
 
 from h3_core.errors import CheckpointError  # noqa: E402
-from h3_core.pipeline import hub as hub_module  # noqa: E402
-from h3_core.pipeline.hub import RetryPolicy, download_partition  # noqa: E402
+from h3_core.sources import hub as hub_module
+from h3_core.sources.hub import RetryPolicy, download_partition
 
 REPO = "owner/h3"
 SHARD_1 = "text_encoder/model-00001-of-00002.safetensors"
@@ -97,7 +97,7 @@ def download(tmp_path, partition="fl2va", sleeps=None, **options):
 
 def test_only_the_needed_files_are_fetched_and_the_text_encoder_loads(hub, tmp_path):
     from h3_core.checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
-    from h3_core.pipeline import resolve_model
+    from h3_core.sources import resolve_model
 
     sources = resolve_model(REPO, partition="fl2va", cache_dir=tmp_path / "cache")
     assert sorted(file_gets(hub)) == sorted(FL2VA_FILES)
@@ -276,7 +276,7 @@ def test_offline_without_a_cached_copy_says_so(hub, tmp_path, monkeypatch):
 def test_the_cli_shows_a_download_bar(hub, tmp_path, monkeypatch, capfd):
     from huggingface_hub import constants
 
-    from h3_core.pipeline import cli
+    from h3_core.app import cli
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     code = cli.main(["generate", "x", "--model", REPO, "--out", str(tmp_path / "o.mp4")])

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from h3_core.errors import H3Error
-from h3_core.pipeline.keyframes import prepare_keyframes
+from h3_core.request.keyframes import prepare_keyframes
 
 W, H = 40, 24
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h3_core.pipeline import layout as L
 from h3_core.errors import H3Error
+from h3_core.pipeline import layout as L
 from h3_core.pipeline.sampler import row_timesteps
+from h3_core.request import grid as G
 
 mp = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.modular_pipeline")
 bd = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.before_denoise")
@@ -77,31 +78,31 @@ def test_row_timesteps_match_reference(case, t_video, t_audio):
 
 @pytest.mark.parametrize("frames", list(range(1, 400, 7)) + [107, 124, 243, 362])
 def test_frame_arithmetic_matches_reference(frames):
-    aligned = L.align_num_frames(frames)
+    aligned = G.align_num_frames(frames)
     assert aligned == mp.align_num_frames(frames, 17, 5)
-    assert L.video_latent_frames(aligned) == mp.video_latent_num_frames(aligned, 17, 5)
-    assert L.audio_latent_frames(aligned) == mp.audio_latent_num_frames(aligned)
+    assert G.video_latent_frames(aligned) == mp.video_latent_num_frames(aligned, 17, 5)
+    assert G.audio_latent_frames(aligned) == mp.audio_latent_num_frames(aligned)
 
 
 def test_shape_table_from_the_spec():
-    assert L.frames_for_seconds(1) == 39
-    assert L.frames_for_seconds(4) == 107
+    assert G.frames_for_seconds(1) == 39
+    assert G.frames_for_seconds(4) == 107
     for frames, tv, ta in ((107, 32, 178), (124, 37, 207), (243, 72, 405), (362, 107, 603)):
-        shape = L.LatentShape.for_request(1344, 768, frames)
+        shape = G.LatentShape.for_request(1344, 768, frames)
         assert (shape.latent_frames, shape.audio_latents) == (tv, ta)
         assert (shape.latent_height, shape.latent_width) == (48, 84)
-    assert L.video_latent_frames(5) == 2
+    assert G.video_latent_frames(5) == 2
 
 
 def test_bad_frames_and_canvas_are_explained():
     with pytest.raises(H3Error, match=r"17n \+ 5.*40.*56"):
-        L.video_latent_frames(40)
+        G.video_latent_frames(40)
     with pytest.raises(H3Error, match="width must be a positive multiple of 32.*use 96 or 128"):
-        L.LatentShape.for_request(100, 64, 39)
+        G.LatentShape.for_request(100, 64, 39)
     with pytest.raises(H3Error, match="height"):
-        L.check_canvas(64, 0)
+        G.check_canvas(64, 0)
     with pytest.raises(H3Error, match="seconds must be positive"):
-        L.frames_for_seconds(0)
+        G.frames_for_seconds(0)
     with pytest.raises(H3Error, match="anchor"):
         L.build_packed_layout(torch.ones(2, dtype=torch.long), 2, 4, 4, 3, ("middle",))
 

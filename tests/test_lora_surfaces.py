@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import save_file
 
 import h3_core
+from h3_core.app import cli
 from h3_core.checkpoints.lora_loader import LoraFold
-from h3_core.pipeline import H3Pipeline, cli, resolve_model
+from h3_core.pipeline import H3Pipeline
 from h3_core.pipeline import pipeline as pipeline_module
-from h3_core.pipeline.planning import plan_components
-from h3_core.pipeline.tiny_default import TINY_LORA, ensure_tiny_lora, ensure_tiny_model, write_tiny_lora
+from h3_core.planning.phase_plans import plan_components
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import TINY_LORA, ensure_tiny_lora, ensure_tiny_model, write_tiny_lora
 
 SHAPE = h3_core.LatentShape.for_request(64, 32, 5)
 

@@ -10,11 +10,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from h3_core.pipeline.planning import plan_for_budget
-from h3_core.runtime.memory_plan import MemoryBudgetError
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
-from h3_core.pipeline import H3Pipeline, plan_components, resolve_model
-from h3_core.pipeline.tiny_default import ensure_tiny_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.planning import plan_components
+from h3_core.planning.memory_plan import MemoryBudgetError
+from h3_core.planning.phase_plans import plan_for_budget
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import ensure_tiny_model
 
 REQUEST = dict(width=96, height=64, num_frames=39)
 
@@ -47,7 +49,7 @@ def _header(path):
 def transformer_dominated(monkeypatch):
     """Shrink the other phases' estimates so that the transformer decides the budget (at real sizes it does; the tiny
     model's VAEs and text-encoder embedding are large next to its 0.9 MB DiT)."""
-    import h3_core.pipeline.planning as mp
+    import h3_core.planning.phase_plans as mp
 
     real_text, real_vaes = mp._text_encoder_estimate, mp._vae_estimates
 
@@ -184,8 +186,8 @@ MAX_OVERESTIMATE = 12.0
 @pytest.mark.parametrize("residency", ["resident", "layerwise"])
 def test_each_phase_estimate_bounds_its_measured_peak(sources, residency):
     from h3_core import H3Tokenizer
-    from h3_core.pipeline.layout import LatentShape
-    from h3_core.pipeline.planning import TEXT_ROWS_ESTIMATE
+    from h3_core.planning.phase_plans import TEXT_ROWS_ESTIMATE
+    from h3_core.request.grid import LatentShape
 
     width, height, frames = REQUEST["width"], REQUEST["height"], REQUEST["num_frames"]
     plan = plan_for_budget(sources, budget_bytes=1 << 30, residency=residency, **REQUEST)

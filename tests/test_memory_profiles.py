@@ -1,4 +1,4 @@
-"""Memory profiles (h3_core.pipeline.memory_profiles) at the released widths: header-only synthetic checkpoints in the
+"""Memory profiles (h3_core.planning.memory_profiles) at the released widths: header-only synthetic checkpoints in the
 released layouts (benchmarks/synthetic_h3.py, sparse files), so the plans are the ones a real download gets."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from h3_core.errors import H3Error
-from h3_core.pipeline.memory_profiles import (AUTO, DEFAULT_REQUEST, GIB, PROFILES, RESIDENCY_REQUEST, profile_named,
+from h3_core.planning.memory_plan import MemoryBudgetError
+from h3_core.planning.memory_profiles import (AUTO, DEFAULT_REQUEST, GIB, PROFILES, RESIDENCY_REQUEST, profile_named,
                                               request_plan, residency_plan)
-from h3_core.pipeline.planning import plan_for_budget
-from h3_core.pipeline.sources import ModelSources
-from h3_core.runtime.memory_plan import MemoryBudgetError
+from h3_core.planning.phase_plans import plan_for_budget
+from h3_core.sources.model_sources import ModelSources
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import synthetic_h3 as synth  # noqa: E402

@@ -10,11 +10,12 @@ import dataclasses
 
 import pytest
 import torch
+from h3_fixtures import tiny_copy_with
 from PIL import Image
 
 from h3_core.errors import H3Error
-from h3_core.pipeline import H3Pipeline, resolve_model
-from h3_fixtures import tiny_copy_with
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import resolve_model
 
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
 
@@ -91,8 +92,8 @@ def test_a_non_finite_config_value_is_named():
 
 @pytest.mark.parametrize("kind", ["video", "audio"])
 def test_decoding_non_finite_latents_names_the_latents(tiny, kind):
-    from h3_core.pipeline.layout import LatentShape
     from h3_core.pipeline.pipeline import Latents
+    from h3_core.request.grid import LatentShape
 
     shape = LatentShape.for_request(64, 64, 5)
     latents = Latents(torch.zeros(shape.video), torch.zeros(1, 32, 2, shape.audio_latents), shape)
@@ -112,8 +113,9 @@ def test_the_decode_nodes_refuse_non_finite_latents(tmp_path, node, kind):
     comfy_double.install(tmp_path / "comfyui")
     pack = comfy_double.load_pack()
     from comfy_double.executor import run_node
-    from h3_core.pipeline.layout import LatentShape
+
     from h3_core.pipeline.pipeline import Latents
+    from h3_core.request.grid import LatentShape
 
     loader = dict(source="tiny test model (embedded)", partition="FL2VA", transformer_residency="RESIDENT",
                   text_encoder_residency="RESIDENT", video_vae_residency="RESIDENT", audio_vae_residency="RESIDENT",

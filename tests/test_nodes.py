@@ -13,10 +13,9 @@ import tomllib
 import weakref
 from pathlib import Path
 
+import comfy_double
 import pytest
 import torch
-
-import comfy_double
 from comfy_double.record_contract import describe, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -212,8 +211,9 @@ def test_ref2va_with_the_tiny_model_loads_its_ref2va_transformer(pack):
 
 def test_model_sources_h3_folder_and_comfyui_repack(pack, tmp_path):
     import folder_paths
+
     from h3_core.errors import CheckpointError, H3Error
-    from h3_core.pipeline.tiny_default import ensure_tiny_model
+    from h3_core.sources.tiny_default import ensure_tiny_model
 
     model_sources = comfy_double.pack_module("nodes.model_sources")
 
@@ -299,7 +299,7 @@ def test_telemetry_goes_only_to_the_client_that_queued_the_prompt(pack, recorder
 
 
 def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
-    from h3_core.pipeline.media import audio_samples_for_frames
+    from h3_core.request.grid import audio_samples_for_frames
 
     handle = load(pack)
     cond = encode(pack, handle)
@@ -336,7 +336,7 @@ def test_decode_nodes_name_a_corrupt_vae_tensor(pack):
     from safetensors.torch import load_file, save_file
 
     from h3_core.errors import H3Error
-    from h3_core.pipeline.tiny_default import ensure_tiny_model
+    from h3_core.sources.tiny_default import ensure_tiny_model
 
     root = Path(folder_paths.models_dir) / "h3" / "poisoned"
     shutil.copytree(ensure_tiny_model(), root)
@@ -567,9 +567,9 @@ def lora_file() -> Path:
 @pytest.mark.parametrize("name", ["../secrets.safetensors", "../../../../etc/passwd", "/etc/passwd",
                                   "missing.safetensors", ""])
 def test_lora_name_outside_the_loras_folders_is_refused(pack, tmp_path, name):
-    from h3_core.errors import CheckpointError
-
     import folder_paths
+
+    from h3_core.errors import CheckpointError
 
     (Path(folder_paths.models_dir) / "secrets.safetensors").write_bytes(b"")  # next to loras/, not inside it
     with pytest.raises(CheckpointError, match="lora_name: .* is not in ComfyUI's 'loras' folders"):

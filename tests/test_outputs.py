@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from h3_core.app import cli
 from h3_core.errors import H3Error
-from h3_core.pipeline import H3Pipeline, cli
-from h3_core.pipeline.media import save_generation
-from h3_core.pipeline.pipeline import GenerationResult
-from h3_core.pipeline.tiny_default import TINY_VERSION, ensure_tiny_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.request.generation_result import GenerationResult
+from h3_core.request.media_files import save_generation
+from h3_core.sources.tiny_default import TINY_VERSION, ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD = b"an earlier, good video"
@@ -40,8 +41,9 @@ def folder_names(folder: Path) -> list[str]:
 # and optionally the mp4 muxer waits for a signal after its second packet, when the staging file exists.
 CHILD = r"""
 import sys, time
-from h3_core.pipeline import H3Pipeline, cli
-from h3_core.pipeline.pipeline import GenerationResult
+from h3_core.app import cli
+from h3_core.pipeline import H3Pipeline
+from h3_core.request import GenerationResult
 import torch
 
 mode = sys.argv[1]
@@ -190,7 +192,7 @@ def test_a_full_disk_gives_one_message_and_leaves_no_partial_file(tiny, monkeypa
     existing file unchanged."""
     import errno
 
-    import h3_core.pipeline.media as media
+    import h3_core.request.media_files as media
 
     monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))
     monkeypatch.setattr(H3Pipeline, "generate", lambda self, *a, **k: fake_result())

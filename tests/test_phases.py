@@ -10,12 +10,14 @@ import pytest
 from PIL import Image
 
 import h3_core.pipeline.pipeline as pipeline_module
-from h3_core.pipeline import H3Pipeline, plan_for_budget, resolve_model
-from h3_core.pipeline.planning import PHASES
-from h3_core.pipeline.tiny_default import ensure_tiny_model
-from h3_core.runtime.memory_plan import (ComponentEstimate, MemoryBudgetError, PhaseSpec, fit_budget,
-                                         phase_estimates, touched_ring_bytes)
+from h3_core.pipeline import H3Pipeline
+from h3_core.planning import plan_for_budget
+from h3_core.planning.memory_plan import (ComponentEstimate, MemoryBudgetError, PhaseSpec, fit_budget, phase_estimates,
+                                          touched_ring_bytes)
+from h3_core.planning.phase_plans import PHASES
 from h3_core.runtime.platform import Platform
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import ensure_tiny_model
 
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
 LOADERS = {"text_encoder": "load_text_encoder", "transformer": "load_dit", "video_vae": "load_video_vae",
@@ -111,7 +113,7 @@ def test_phases_release_at_their_start_and_log_it(sources, census):
     releasing it, and says so."""
     logged = []
     pipe = H3Pipeline(sources, log=logged.append)
-    from h3_core.pipeline.layout import LatentShape
+    from h3_core.request.grid import LatentShape
 
     cond = pipe.encode_prompt("a fox", width=64, height=64)
     shape = LatentShape.for_request(64, 64, 5)
@@ -290,7 +292,7 @@ def test_plan_for_budget_prints_each_phase_and_refuses_a_kept_component_that_bre
 
 
 def test_cli_keep_reaches_the_plan_and_the_pipeline(tiny, monkeypatch, capsys, tmp_path):
-    from h3_core.pipeline import cli
+    from h3_core.app import cli
 
     monkeypatch.setenv("H3_STREAM_CACHE", str(tiny.parent))
     seen = []

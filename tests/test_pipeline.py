@@ -16,8 +16,9 @@ from PIL import Image
 
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
-from h3_core.pipeline import H3Pipeline, ModelSources, is_repo_id, resolve_model
-from h3_core.pipeline.tiny_default import ensure_tiny_model, write_tiny_model
+from h3_core.pipeline import H3Pipeline
+from h3_core.sources import ModelSources, is_repo_id, resolve_model
+from h3_core.sources.tiny_default import ensure_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,7 +100,7 @@ def test_keyframes_condition_the_sample(pipeline):
 
 
 def test_keyframe_preparation_stretches_then_cover_crops():
-    from h3_core.pipeline import prepare_keyframes
+    from h3_core.request.keyframes import prepare_keyframes
 
     wide = Image.new("RGB", (300, 100))
     tall = Image.new("RGB", (100, 300))
@@ -119,6 +120,7 @@ def test_sampling_loop_matches_the_reference_denoise_loop(tiny):
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
     from diffusers.modular_pipelines.minimax_h3.denoise import MiniMaxH3DenoiseStep
     from h3_fixtures import TINY, reference_model, save_comfy
+
     from h3_core.pipeline.sampler import Schedule, denoise
 
     reference = reference_model(TINY, seed=11)
@@ -174,7 +176,7 @@ def test_progress_and_interrupt(pipeline):
 
 def test_chunking_is_an_option_of_one_sample_call(pipeline):
     """`sample(chunk_size=, between_chunks=)` chunk this call only: the transformer's own policy is untouched."""
-    from h3_core.pipeline.layout import LatentShape
+    from h3_core.request.grid import LatentShape
     from h3_core.runtime.chunking import ChunkingError
 
     cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
@@ -195,8 +197,7 @@ def test_chunking_is_an_option_of_one_sample_call(pipeline):
 
 
 def test_decode_video_and_audio_are_the_two_halves_of_decode(pipeline):
-    from h3_core.pipeline.layout import LatentShape
-    from h3_core.pipeline.media import audio_samples_for_frames
+    from h3_core.request.grid import LatentShape, audio_samples_for_frames
 
     cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
     latents = pipeline.sample(cond, LatentShape.for_request(64, 96, 22), steps=3, seed=3)
@@ -301,7 +302,7 @@ def test_cli_readme_command_writes_an_mp4(tiny, tiny_cache, tmp_path):
                 "--out", "out.mp4"], tiny_cache, tmp_path)
     assert done.returncode == 0, done.stderr
     assert "tiny random model" in done.stdout and "peak host memory" in done.stdout
-    from h3_core.pipeline.media import have_pyav
+    from h3_core.request.media_files import have_pyav
 
     if have_pyav():
         import av
@@ -318,8 +319,9 @@ def test_cli_readme_command_writes_an_mp4(tiny, tiny_cache, tmp_path):
 
 
 def test_cli_png_and_wav_fallback(tiny, tiny_cache, tmp_path):
-    from h3_core.pipeline.media import save_generation
     import soundfile
+
+    from h3_core.request.media_files import save_generation
 
     written = save_generation(tmp_path / "clip.mp4", torch.rand(5, 32, 64, 3), torch.rand(2, 9000) * 2 - 1,
                               prefer_mp4=False)

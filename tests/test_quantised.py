@@ -10,16 +10,16 @@ import sys
 
 import pytest
 import torch
+from h3_fixtures import packed_inputs, rel_l2
+from offload_fixtures import same_outputs, save_comfy, save_diffusers, save_native
+from quant_fixtures import (COMFY_FORMATS, COMFY_PREFIX, GGUF_FORMATS, QCFG, bf16_state, dequantised_twin,
+                            gguf_reference, quantise_file, quantised_layer, reference_dequantised, save_comfy_quantised,
+                            save_gguf)
 from safetensors.torch import load_file, save_file
 
 import h3_core
 from h3_core.errors import CheckpointError
 from h3_core.runtime import AsyncBackend, LayerwiseOffloadManager, SynchronousBackend
-from h3_fixtures import packed_inputs, rel_l2
-from offload_fixtures import same_outputs, save_comfy, save_diffusers, save_native
-from quant_fixtures import (COMFY_FORMATS, COMFY_PREFIX, GGUF_FORMATS, QCFG, bf16_state, dequantised_twin,
-                            gguf_reference, quantise_file, quantised_layer, reference_dequantised,
-                            save_comfy_quantised, save_gguf)
 
 pytest.importorskip("comfy_kitchen")
 pytest.importorskip("gguf")
@@ -195,8 +195,8 @@ def test_every_host_store_dequantises_the_same_numbers(files, inputs, fmt, store
 
 
 def test_memory_plan_counts_quantised_bytes(files):
-    from h3_core.pipeline.layout import LatentShape
-    from h3_core.pipeline.planning import _dit_estimate
+    from h3_core.planning.phase_plans import _dit_estimate
+    from h3_core.request.grid import LatentShape
 
     paths, _ = files
     shape = LatentShape.for_request(64, 64, 22)
@@ -333,7 +333,7 @@ def _reference_quantise(value: torch.Tensor, fmt: str) -> torch.Tensor:
 def test_quantize_round_trip(files, state, inputs, tmp_path, monkeypatch, fmt, capsys):
     import weakref
 
-    from h3_core.pipeline.cli import main
+    from h3_core.app.cli import main
     from h3_core.runtime.host_store import HostTensor
 
     paths, _ = files
@@ -384,7 +384,7 @@ def test_quantize_round_trip(files, state, inputs, tmp_path, monkeypatch, fmt, c
     (["QUANTISED", "{tmp}/out.gguf", "--format", "q8_0"], "QUANTISED: is already quantised ("),
 ])
 def test_quantize_refuses_bad_arguments_with_one_message(files, tmp_path, capsys, argv, message):
-    from h3_core.pipeline.cli import main
+    from h3_core.app.cli import main
 
     paths, _ = files
     names = {"SRC": str(paths["bf16"]), "QUANTISED": str(paths["int8_rowwise"]), "{tmp}": str(tmp_path)}

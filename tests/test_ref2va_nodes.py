@@ -7,8 +7,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-
-from test_nodes import H, SAMPLER, W, load, pack, run  # noqa: F401  (pack: the fixture)
+from test_nodes import SAMPLER, H, W, load, pack, run  # noqa: F401  (pack: the fixture)
 
 # 22 frames: a video reference is cut to the generated length, and the text encoder needs 13 frames of it.
 RUN = {**SAMPLER, "frames": 22}
@@ -43,9 +42,9 @@ def sample(pack, handle, refs):
 
 
 def test_the_nodes_sample_what_h3_core_samples_for_the_same_references(pack):
-    from h3_core.pipeline.layout import LatentShape
-    from h3_core.pipeline.references import build_references
-    from h3_core.pipeline.sources import canvas_rules
+    from h3_core.request.grid import LatentShape
+    from h3_core.request.references import build_references
+    from h3_core.sources.model_sources import canvas_rules
 
     handle = load(pack, partition="Ref2VA")
     clip = video()

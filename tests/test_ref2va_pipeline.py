@@ -10,10 +10,12 @@ import torch
 from PIL import Image
 
 from h3_core.errors import H3Error
-from h3_core.pipeline import H3Pipeline, resolve_model
-from h3_core.pipeline.layout import LatentShape, audio_to_rows, patchify
-from h3_core.pipeline.references import build_references
-from h3_core.pipeline.sources import canvas_rules, transformer_partition
+from h3_core.pipeline import H3Pipeline
+from h3_core.pipeline.layout import audio_to_rows, patchify
+from h3_core.request.grid import LatentShape
+from h3_core.request.references import build_references
+from h3_core.sources import resolve_model
+from h3_core.sources.model_sources import canvas_rules, transformer_partition
 
 WIDTH, HEIGHT, FRAMES = 64, 96, 22
 
@@ -99,7 +101,8 @@ def reference_loop(transformer, cond, refs, visual, audio, steps, seed):
 def test_sampling_loop_matches_the_reference_ref2va_loop(sources, tmp_path, residency):
     pytest.importorskip("diffusers")
     from h3_fixtures import reference_model, save_comfy
-    from h3_core.pipeline.tiny_default import TINY_DIT
+
+    from h3_core.sources.tiny_default import TINY_DIT
 
     reference = reference_model(TINY_DIT, seed=5)
     path = save_comfy(reference, TINY_DIT, tmp_path / "minimax_h3_parity_ref2va.safetensors")
@@ -172,7 +175,7 @@ def test_keyframes_and_references_are_not_combined(pipeline):
 
 
 def test_reference_image_size_rules(pipeline):
-    from h3_core.pipeline.references import normalise_image
+    from h3_core.request.references import normalise_image
 
     image = picture(300, 200, 3)
     assert normalise_image(image, "i", "reference", 64, 96, 128).size == (192, 128)  # short edge 128, up or down
@@ -182,7 +185,7 @@ def test_reference_image_size_rules(pipeline):
 
 
 def test_the_memory_plan_counts_the_reference_rows_and_phases(sources):
-    from h3_core.pipeline.planning import plan_for_budget, reference_rows_estimate
+    from h3_core.planning.phase_plans import plan_for_budget, reference_rows_estimate
 
     given = request()
     refs = build_references(given["reference_images"], given["reference_videos"], given["reference_audios"],
@@ -193,7 +196,7 @@ def test_the_memory_plan_counts_the_reference_rows_and_phases(sources):
     assert [p.name for p in ref2va.phases][:3] == ["text encode", "reference encode", "reference audio encode"]
     assert "reference encode" not in [p.name for p in plain.phases]
     # The rows the transformer is planned for (its activations and the chunk-size choice) include the references'.
-    from h3_core.pipeline.planning import _dit_estimate
+    from h3_core.planning.phase_plans import _dit_estimate
 
     shape = LatentShape.for_request(WIDTH, HEIGHT, FRAMES)
     extra = reference_rows_estimate(refs)

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from text_encoder_fixtures import reference_image_processor, reference_model, relative_l2, write_official
 
 from h3_core import load_text_encoder
 from h3_core.errors import H3Error
 from h3_core.models.tokenizer import ReferenceTokens
 from h3_core.models.vision_tower import prepare_image, prepare_video
-from h3_core.pipeline import references as R
-from text_encoder_fixtures import reference_image_processor, reference_model, relative_l2, write_official
+from h3_core.request import references as R
 
 encoders = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.encoders")
 refs = pytest.importorskip("diffusers.modular_pipelines.minimax_h3.references")

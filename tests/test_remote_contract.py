@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from videos_api_server import Behaviour, VideosApiServer, make_mp4, source_frames
 
 from h3_core.errors import H3Error, RemoteError
-from h3_core.pipeline.media import audio_samples_for_frames
 from h3_core.remote import RemoteEngine, protocol
 from h3_core.remote.videos_client import VideosClient, check_server_url
-from videos_api_server import Behaviour, VideosApiServer, make_mp4, source_frames
+from h3_core.request.grid import audio_samples_for_frames
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUEST = dict(width=96, height=64, num_frames=5, steps=3, seed=7)

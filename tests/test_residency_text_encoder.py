@@ -12,15 +12,14 @@ import json
 import numpy as np
 import pytest
 import torch
+from residency_probe import MaterialisationCensus, UnitProbe, is_materialised
 from safetensors.torch import save_file
 
 import h3_core
-from h3_core.runtime import AdmissionError
-from h3_core.runtime import AllResident, PhaseScopedWeights, Residency, ResidencyError
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
 from h3_core.models.text_encoder import TextEncoder, TextEncoderConfig
-from h3_core.pipeline.tiny_default import write_tiny_tokenizer
-from residency_probe import MaterialisationCensus, UnitProbe, is_materialised
+from h3_core.runtime import AdmissionError, AllResident, PhaseScopedWeights, Residency, ResidencyError
+from h3_core.sources.tiny_default import write_tiny_tokenizer
 
 LAYERS = 5
 CONFIG = {

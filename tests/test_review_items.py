@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from h3_fixtures import packed_inputs
+from offload_fixtures import SMALL, random_state, same_outputs, save_native
 from safetensors.torch import save_file
 
 import h3_core
 from h3_core.runtime import AllResident
-from h3_fixtures import packed_inputs
-from offload_fixtures import SMALL, random_state, same_outputs, save_native
 
 
 @pytest.fixture(scope="module")
@@ -202,8 +202,9 @@ def test_return_dict_gives_diffusers_output_fields(tmp_path):
 
 @pytest.mark.parametrize("device", ["xpu", "meta", "hpu:0"])
 def test_an_unsupported_device_type_is_refused_with_the_supported_ones(device, tiny):
-    from h3_core.pipeline import H3Pipeline, resolve_model
+    from h3_core.pipeline import H3Pipeline
     from h3_core.runtime.platform import PlatformError
+    from h3_core.sources import resolve_model
 
     kind = device.split(":")[0]
     message = (f"device '{kind}' is not supported: h3_core runs on cpu, cuda, mps (it has no chunk limits, copy or "
@@ -220,7 +221,8 @@ def test_a_device_the_machine_lacks_is_one_message_before_anything_loads(tiny):
     """The Python API says what the CLI and the loader node say: `cuda` on a machine without it, a GPU index that
     does not exist, a device string that is no device."""
     from h3_core.errors import H3Error
-    from h3_core.pipeline import H3Pipeline, resolve_model
+    from h3_core.pipeline import H3Pipeline
+    from h3_core.sources import resolve_model
 
     sources = resolve_model(tiny)
     with pytest.raises(H3Error, match=r"^device 'cuda': (this PyTorch build has no CUDA support|PyTorch has CUDA)"):

@@ -8,8 +8,8 @@ from PIL import Image
 
 import h3_core
 from h3_core.runtime import ChunkingError
-from h3_core.pipeline import resolve_model
-from h3_core.pipeline.tiny_default import ensure_tiny_model
+from h3_core.sources import resolve_model
+from h3_core.sources.tiny_default import ensure_tiny_model
 
 PROMPT = ("A red fox runs across a snowy field at dawn, its breath visible in the cold air; the singer whispers the "
           "lyrics while a piano plays softly in the background.")

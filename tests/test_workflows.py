@@ -11,10 +11,9 @@ import json
 import re
 from pathlib import Path
 
+import comfy_double
 import pytest
 import torch
-
-import comfy_double
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "example_workflows"
@@ -193,8 +192,8 @@ def executor(tmp_path_factory):
 @pytest.mark.parametrize("path", LOCAL_API_FILES, ids=lambda p: p.stem)
 def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     from comfy_double.core_nodes import SAVED
-    from h3_core.pipeline.layout import frames_for_seconds
-    from h3_core.pipeline.media import audio_samples_for_frames
+
+    from h3_core.request.grid import audio_samples_for_frames, frames_for_seconds
 
     prompt = json.loads(path.read_text())
     SAVED.clear()
@@ -247,8 +246,9 @@ def test_remote_example_runs_against_a_videos_api_server(path, executor):
     not SGLang): its server address and, to keep the stand-in's mp4 small, its canvas and length are pointed at the
     test server's; the graph, the nodes and the saves are the example's."""
     from comfy_double.core_nodes import SAVED
-    from h3_core.pipeline.media import audio_samples_for_frames
     from videos_api_server import Behaviour, VideosApiServer, make_mp4
+
+    from h3_core.request.grid import audio_samples_for_frames
 
     prompt = json.loads(path.read_text())
     remote = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamGenerateRemote")

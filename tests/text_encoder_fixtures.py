@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from h3_core.pipeline.tiny_default import QWEN_FIRST_SPECIAL_ID, QWEN_SPECIAL_TOKENS, write_tiny_tokenizer  # noqa: F401
+from h3_core.sources.tiny_default import QWEN_FIRST_SPECIAL_ID, QWEN_SPECIAL_TOKENS, write_tiny_tokenizer
 
 IMAGE_PAD_ID = 151655
 

@@ -1,10 +1,7 @@
-"""A generation request end to end: where the weights are (`sources`), the phases (`pipeline`), memory planning,
-media writing and the CLI. The top layer of h3_core: it may import every other layer."""
+"""Generation on this machine: the phases (`pipeline.py`: text encode, keyframe and reference encode, sampling,
+decode), the sampler (`sampler.py`), the packed sequence layout (`layout.py`) and ComfyUI core's latent format
+(`core_latent.py`)."""
 
-from .keyframes import prepare_keyframes
-from .pipeline import Conditioning, GenerationResult, H3Pipeline, Latents
-from .planning import plan_components, plan_for_budget
-from .sources import ModelSources, is_repo_id, resolve_model
+from .pipeline import Conditioning, H3Pipeline, Latents
 
-__all__ = ["Conditioning", "GenerationResult", "H3Pipeline", "Latents", "ModelSources", "is_repo_id",
-           "plan_components", "plan_for_budget", "prepare_keyframes", "resolve_model"]
+__all__ = ["Conditioning", "H3Pipeline", "Latents"]

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import H3Error
-from .layout import (AUDIO_CHANNELS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, SPATIAL_COMPRESSION, LatentShape,
-                     audio_latent_frames)
+from ..request.grid import (AUDIO_CHANNELS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, SPATIAL_COMPRESSION, LatentShape,
+                            audio_latent_frames)
 from .pipeline import Latents
 
 VIDEO_LATENT_CHANNELS = LatentShape.latent_channels

@@ -25,19 +25,20 @@ from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
+from ..planning.phase_plans import PHASES, REFERENCE_PHASES
+from ..request.generation_request import (AUDIO_SHIFT, VIDEO_SHIFT, check_canvas_limit, check_prompt, check_seed,
+                                          check_shift, check_steps)
+from ..request.generation_result import GenerationResult
+from ..request.grid import AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_samples_for_frames
+from ..request.keyframes import pil_to_frames, prepare_keyframes
+from ..request.references import ReferenceRequest, build_references, sample_video_for_text_encoder
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.platform import Platform, device_problem
-from .keyframes import pil_to_frames, prepare_keyframes
-from .layout import (AUDIO_SAMPLE_RATE, FPS, LatentShape, ReferenceBlock, audio_to_rows, build_packed_layout,
-                     build_ref2va_layout, patchify, rows_to_audio, unpatchify)
-from .media import audio_samples_for_frames
-from .planning import PHASES, REFERENCE_PHASES
-from .references import ReferenceRequest, build_references, sample_video_for_text_encoder
-from .request_checks import check_canvas_limit, check_prompt, check_seed, check_shift, check_steps
-from .sampler import (AUDIO_SHIFT, VIDEO_SHIFT, Schedule, denoise, initial_noise, noise_condition,
-                      non_finite_error)
-from .sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
-                      transformer_partition)
+from ..sources.model_sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
+                                     transformer_partition)
+from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
+                     unpatchify)
+from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
 
 MAX_PROMPT_TOKENS = 4096
 
@@ -60,15 +61,6 @@ class Latents:
     video: torch.Tensor  # [1, 24, T, H/16, W/16], normalised
     audio: torch.Tensor  # [1, 32, 2, Ta], normalised
     shape: LatentShape
-
-
-@dataclass
-class GenerationResult:
-    frames: torch.Tensor  # [F, H, W, 3] float in [0, 1]
-    waveform: torch.Tensor  # [2, N] float at 32 kHz, trimmed to the video length
-    fps: int = FPS
-    sample_rate: int = AUDIO_SAMPLE_RATE
-    timings: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

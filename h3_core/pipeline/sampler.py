@@ -13,11 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import H3Error
+from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, check_shift
 from .layout import PackedLayout
-from .request_checks import check_shift
 
-VIDEO_SHIFT = 12.0
-AUDIO_SHIFT = 3.0
 # Condition rows are noise-augmented to t = 0.999 once, then held; reference audio is clean (t = 1).
 CONDITION_NOISE_AUG = 0.999
 REFERENCE_AUDIO_T = 1.0

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import H3Error, RemoteError
-from ..pipeline.keyframes import prepare_keyframes
-from ..pipeline.layout import AUDIO_SAMPLE_RATE, FPS, LatentShape
-from ..pipeline.media import audio_samples_for_frames, read_mp4
-from ..pipeline.pipeline import GenerationResult
-from ..pipeline.request_checks import check_canvas_limit, check_prompt, check_seed, check_shift, check_steps
-from ..pipeline.sampler import AUDIO_SHIFT, VIDEO_SHIFT
+from ..request.generation_request import (AUDIO_SHIFT, VIDEO_SHIFT, check_canvas_limit, check_prompt, check_seed,
+                                          check_shift, check_steps)
+from ..request.generation_result import GenerationResult
+from ..request.grid import AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_samples_for_frames
+from ..request.keyframes import prepare_keyframes
+from ..request.media_files import read_mp4
 from . import protocol
 from .videos_client import VideosClient
 

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from .. import settings
 from ..errors import H3Error
 
 GiB = 1 << 30
@@ -303,7 +304,7 @@ class Platform:
     @property
     def default_residency(self) -> str:
         """What residency "auto" means here: layerwise where memory is unified (admission requires it)."""
-        return "layerwise" if self.unified_memory else "resident"
+        return settings.LAYERWISE if self.unified_memory else settings.RESIDENT
 
     @property
     def asynchronous_copies(self) -> bool:

@@ -1,7 +1,7 @@
 """Where a component's weights live while it runs: all on the device, or streamed block by block.
 
-One interface (`BlockResidency`) for every component built from a stack of repeated blocks (the DiT blocks now;
-the text encoder's layers and the VAE decoder's blocks later):
+One interface (`BlockResidency`) for every component built from a stack of repeated blocks (the DiT's blocks, the
+text encoder's layers, the video and audio VAE decoders' blocks):
 
     residency.begin_pass()
     for i, block in enumerate(blocks):
@@ -18,7 +18,6 @@ the text encoder's layers and the VAE decoder's blocks later):
   device) or asynchronous (CUDA).
 * `PhaseScopedWeights` (`phase_scoped.py`): non-block weights (e.g. the text refiner) materialised for one named
   phase, then released.
-* `BlockHooks` (`block_hooks.py`): drives a residency from forward hooks, for block stacks of modules we do not own.
 
 Inference only: nothing is ever written back to the host store. Buffers are never offloaded.
 """
@@ -28,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 
+from .. import settings
 from ..errors import H3Error, ResidencyError  # noqa: F401 - ResidencyError is re-exported here
 from .telemetry import PassStats, ResidencyStats
 
@@ -35,8 +35,8 @@ from .telemetry import PassStats, ResidencyStats
 class Residency(str, enum.Enum):
     """Where a component's weights live while it runs."""
 
-    RESIDENT = "resident"  # all weights on the device
-    LAYERWISE_OFFLOAD = "layerwise"  # blocks in a host store, at most prefetch + 1 materialised on the device
+    RESIDENT = settings.RESIDENT  # all weights on the device
+    LAYERWISE_OFFLOAD = settings.LAYERWISE  # blocks in a host store, at most prefetch + 1 materialised on the device
 
     @classmethod
     def parse(cls, value: "Residency | str") -> "Residency":

@@ -33,14 +33,15 @@ def load_comfyui(folder: str):
 
 def main() -> int:
     load_comfyui(sys.argv[1])
-    import torch
     import comfy_extras.nodes_minimax_h3 as core_h3
+    import torch
     from comfy_extras.nodes_lt import LTXVConcatAVLatent, LTXVSeparateAVLatent
-    from h3_core.errors import H3Error
-    from h3_core.pipeline import Latents
-    from h3_core.pipeline.layout import LatentShape
     from h3_stream_pack.nodes.latent_from_core import H3StreamLatentFromCore
     from h3_stream_pack.nodes.latent_to_core import H3StreamLatentToCore
+
+    from h3_core.errors import H3Error
+    from h3_core.pipeline import Latents
+    from h3_core.request.grid import LatentShape
 
     results = []
     shape = LatentShape.for_request(96, 64, 22)

@@ -32,11 +32,11 @@ def main() -> int:
 
     comfy.options.enable_args_parsing()
     import folder_paths
-    import nodes
     import torch
 
     import h3_core
-    from h3_core.pipeline.tiny_default import ensure_tiny_model
+    import nodes
+    from h3_core.sources.tiny_default import ensure_tiny_model
 
     source = next((ensure_tiny_model() / "diffusion_models").glob("minimax_h3_tiny_fl2va_*.safetensors"))
     results = []

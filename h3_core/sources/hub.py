@@ -18,8 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit
 from typing import Callable
+from urllib.parse import urlsplit
 
 from ..checkpoints.text_encoder_loader import never_read_by_h3
 from ..errors import CheckpointError

@@ -13,13 +13,16 @@ import torch
 
 from ..components import COMPONENTS
 from ..errors import H3Error
+from ..planning.memory_plan import check_memory_budget_gib
+from ..request.generation_request import (AUDIO_SHIFT, MAX_CANVAS, MAX_FRAMES, MAX_SECONDS, VIDEO_SHIFT, check_prompt,
+                                          check_seed, check_shift, check_steps)
+from ..request.grid import FPS, align_num_frames, frames_for_seconds
+from ..request.keyframes import check_image_file
+from ..request.media_files import output_problem
 from ..runtime.platform import Platform, device_problem, peak_rss_bytes
-from .layout import FPS, align_num_frames, frames_for_seconds
-from .request_checks import (MAX_CANVAS, MAX_FRAMES, MAX_SECONDS, check_image_file, check_memory_budget_gib,
-                             check_prompt, check_seed, check_shift, check_steps, output_problem)
-from .sampler import AUDIO_SHIFT, VIDEO_SHIFT
+from ..settings import DTYPES, RESIDENCIES
+from .progress import DownloadBar, ProgressBar, memory_report
 
-DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Without --model the embedded tiny random model runs; these keep that check of an install under a minute on a CPU.
 TINY_DEFAULTS = {"size": "96x64", "seconds": 1.0, "steps": 3}
 MODEL_DEFAULTS = {"size": "1344x768", "seconds": 124 / FPS, "steps": 50}
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ref-image-size", choices=("reference", "max", "match"), default="reference",
                    help="reference image size: reference (2048-px short edge, as the reference pipeline), max "
                         "(down to it, never up) or match (down to the video's area)")
-    g.add_argument("--residency", choices=("auto", "resident", "layerwise"), default="auto",
+    g.add_argument("--residency", choices=("auto", *RESIDENCIES), default="auto",
                    help="every component: all weights on the device, or streamed block by block "
                         "(auto: layerwise on Apple MPS, resident elsewhere)")
     g.add_argument("--chunk-size", type=int, help="rows per chunk in attention and MLP of the transformer and text encoder "
@@ -165,60 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
                         "with its memory and time estimate")
     return parser
-
-
-class ProgressBar:
-    def __init__(self, label: str, stream=None):
-        self.label, self.stream, self.started = label, stream or sys.stderr, time.perf_counter()
-        self.line_open = False  # the bar's line is not finished yet: anything printed next needs a newline first
-
-    def __call__(self, done: int, total: int) -> None:
-        if done == 0:  # sampling starts: time from here, not from the model loading before it
-            self.started = time.perf_counter()
-        width = 30
-        filled = int(width * done / max(total, 1))
-        elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (total - done) if done else 0.0
-        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                          f"{elapsed:.1f}s elapsed, ~{eta:.1f}s left")
-        self.line_open = done < total
-        if not self.line_open:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        """End the bar's line (an error or an interrupt message then starts on a line of its own)."""
-        if self.line_open:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.line_open = False
-
-
-class DownloadBar:
-    """A Hugging Face download's bar on stderr: `(done_bytes, total_bytes)`."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr
-
-    def __call__(self, done: int, total: int) -> None:
-        filled = int(30 * done / max(total, 1))
-        self.stream.write(f"\rdownloading [{'#' * filled}{'.' * (30 - filled)}] {done / 2**20:.1f}/"
-                          f"{total / 2**20:.1f} MiB" + ("\n" if done >= total else ""))
-        self.stream.flush()
-
-
-def memory_report(device: torch.device) -> str:
-    lines = []
-    rss = peak_rss_bytes()
-    if rss is not None:
-        lines.append(f"peak host memory (RSS): {rss / 2**30:.2f} GiB")
-    platform = Platform.for_device(device)  # the per-device allocator queries live in the platform object
-    peak, driver = platform.peak_allocated_bytes(), platform.driver_bytes()
-    if peak is not None:
-        lines.append(f"peak device memory: {peak / 2**30:.2f} GiB")
-    elif driver is not None:
-        lines.append(f"device memory now: {driver / 2**30:.2f} GiB (driver)")
-    return "\n".join(lines)
 
 
 def resolve_frames(args, defaults, say) -> int:
@@ -286,7 +235,7 @@ def has_references(args) -> bool:
 
 def check_reference_flags(args) -> None:
     """The Ref2VA flags' own checks (counts, files, partition), before any model is resolved."""
-    from .references import check_reference_counts
+    from ..request.references import check_reference_counts
 
     if not has_references(args):
         return
@@ -311,9 +260,9 @@ def check_reference_flags(args) -> None:
 
 def read_references(args, sources, request):
     """The reference files, decoded and normalised (`references.build_references`), in the flags' words."""
-    from .reference_files import read_audio_file, read_video_file
-    from .references import build_references
-    from .sources import canvas_rules
+    from ..request.references import build_references
+    from ..sources.model_sources import canvas_rules
+    from ..sources.reference_files import read_audio_file, read_video_file
 
     if not has_references(args):
         return None
@@ -332,8 +281,8 @@ def read_references(args, sources, request):
 
 def check_large_request(args, sources, request, residency, references=None) -> None:
     """Refuse a request past the large-request thresholds unless --yes-large, stating its estimates."""
+    from ..planning.request_estimate import describe_estimate, estimate_request, large_request_reasons
     from ..runtime.file_reads import total_memory_bytes
-    from .request_checks import describe_estimate, estimate_request, large_request_reasons
 
     estimate = estimate_request(sources, device=args.device, width=request["width"], height=request["height"],
                                 num_frames=request["num_frames"], steps=request["steps"], dtype=DTYPES[args.dtype],
@@ -362,9 +311,9 @@ def _identity(path: Path):
 def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     """Run `python -m h3_core generate`. `outputs` (filled in here) holds the --out path and its identity before the
     run, so that an interrupt can say truthfully whether anything was written."""
-    from .media import write_outputs
-    from .pipeline import H3Pipeline
-    from .sources import resolve_model
+    from ..pipeline.pipeline import H3Pipeline
+    from ..request.media_files import write_outputs
+    from ..sources.model_sources import resolve_model
 
     if args.server:
         from .remote_cli import check_remote_flags
@@ -383,14 +332,14 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     width, height, num_frames, steps, loras = (request[k] for k in ("width", "height", "num_frames", "steps",
                                                                     "loras"))
     if tiny:
-        from .tiny_default import ensure_tiny_model
+        from ..sources.tiny_default import ensure_tiny_model
 
         say("using the embedded tiny random model: it produces noise and only checks the install; "
             "pass --model for real weights")
         sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
     else:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
-    from .planning import plan_components
+    from ..planning.phase_plans import plan_components
 
     residency = None if args.residency == "auto" else args.residency
     references = read_references(args, sources, request)

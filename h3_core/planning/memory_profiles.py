@@ -18,10 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import settings
 from ..errors import H3Error
-from ..runtime.memory_plan import MemoryBudgetError, MemoryPlan, format_bytes
 from ..runtime.platform import Platform
-from .planning import plan_for_budget
+from .memory_plan import MemoryBudgetError, MemoryPlan, format_bytes
+from .phase_plans import plan_for_budget
 
 GIB = 1 << 30
 AUTO = "auto (from free memory)"
@@ -143,11 +144,11 @@ def _plan_keeping_resident(sources, resident_kept: bool, **request) -> MemoryPla
             plan = plan_for_budget(sources, keep=resident_names(plan), residency=residencies(plan), **request)
         return plan
     except MemoryBudgetError:  # what stays resident would not fit beside the other phases: stream everything
-        return plan_for_budget(sources, residency="layerwise", **request)
+        return plan_for_budget(sources, residency=settings.LAYERWISE, **request)
 
 
 def resident_names(plan: MemoryPlan) -> tuple[str, ...]:
-    return tuple(c.name for c in plan.components if c.residency == "resident")
+    return tuple(c.name for c in plan.components if c.residency == settings.RESIDENT)
 
 
 def residencies(plan: MemoryPlan) -> dict[str, str]:

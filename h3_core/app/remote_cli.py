@@ -4,7 +4,7 @@ server (h3_core.remote.RemoteEngine) instead of this machine."""
 from __future__ import annotations
 
 from ..errors import H3Error
-from .layout import FPS
+from ..request.grid import FPS
 
 # Flags that configure a local run only, with their defaults: given with --server, they are ignored and said so.
 LOCAL_ONLY_FLAGS = (("--model", "model", None), ("--residency", "residency", "auto"),
@@ -46,6 +46,6 @@ def generate_remote(args, request: dict, before, say, bar) -> list:
                                  progress=bar)
     finally:
         bar.close()
-    from .media import write_outputs
+    from ..request.media_files import write_outputs
 
     return write_outputs(request["out"], result, before, say)

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from ..errors import H3Error
+from .grid import AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, FPS
 from .keyframes import _to_pil
-from .layout import AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, FPS
 
 MAX_REFERENCE_IMAGES = 9
 MAX_REFERENCE_VIDEOS = 3

@@ -13,13 +13,14 @@ import errno
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..errors import H3Error
-from .layout import AUDIO_SAMPLE_RATE, FPS
+from .grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
 
 
 def have_pyav() -> bool:
@@ -28,11 +29,6 @@ def have_pyav() -> bool:
     except ImportError:
         return False
     return True
-
-
-def audio_samples_for_frames(num_frames: int, fps: int = FPS, sample_rate: int = AUDIO_SAMPLE_RATE) -> int:
-    """Samples per channel covering `num_frames` video frames (the decoder's longer output is trimmed to this)."""
-    return math.ceil(sample_rate / fps * num_frames)
 
 
 def _frames_uint8(frames: torch.Tensor) -> np.ndarray:
@@ -180,7 +176,7 @@ def save_generation(path, frames: torch.Tensor, waveform: torch.Tensor, fps: int
                     sample_rate: int = AUDIO_SAMPLE_RATE, *, prefer_mp4: bool = True) -> list[Path]:
     """Write the result to `path` (an .mp4 name); returns the paths written. Writes `<stem>_frames/` PNGs and
     `<stem>.wav` instead without PyAV or with `prefer_mp4=False`. Another suffix is refused (`OUTPUT_SUFFIXES`)."""
-    from .request_checks import check_output_path
+    from .media_files import check_output_path
 
     path = check_output_path(path, "path")
     if prefer_mp4 and have_pyav():
@@ -236,3 +232,44 @@ def write_outputs(out, result, before, say) -> list:
         say(f"wrote {path}" + (" (replaced the file that was there)" if replaced else ""))
     say(", ".join(f"{k} {v:.1f} s" for k, v in result.timings.items()))
     return written
+
+
+# What `save_generation` and the CLI's --out write: an mp4 (H.264 + AAC) through PyAV; without PyAV, `<stem>_frames/`
+# PNGs and `<stem>.wav` next to it.
+OUTPUT_SUFFIXES = (".mp4",)
+
+
+def output_problem(path) -> str | None:
+    """Why the generation cannot be written at `path` (checked by creating and removing a file in its folder), or
+    None. A missing folder is fine: it is created when the output is written."""
+    text = os.fspath(path)
+    if not text:
+        return "is empty; give a file name ending in .mp4, e.g. out.mp4"
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return f"is a folder; give a file name inside it, e.g. {path / 'out.mp4'}"
+    if path.suffix.lower() not in OUTPUT_SUFFIXES:
+        return (f"h3-stream writes {' / '.join(OUTPUT_SUFFIXES)} files (H.264 + AAC; without PyAV, {path.stem}_frames/ "
+                f"PNGs and {path.stem}.wav beside it), not {path.suffix or 'files without a suffix'!r}; name it "
+                f"{path.with_suffix('.mp4').name}")
+    if path.exists() and not path.is_file():
+        return "exists and is not a regular file (a device or a pipe); give a file name"
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".h3-write-check-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write in {folder} ({exc.strerror or exc})"
+    return None
+
+
+def check_output_path(path, name: str = "output path") -> Path:
+    problem = output_problem(path)
+    if problem:
+        raise H3Error(f"{name} {os.fspath(path)!r}: {problem}.")
+    return Path(os.fspath(path)).expanduser()

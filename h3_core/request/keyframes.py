@@ -12,7 +12,6 @@ import torch
 
 from ..errors import H3Error
 
-
 WHITE = (255, 255, 255, 255)
 # How high-bit-depth single-channel images map to 8 bits (PIL's own convert("RGB") clips them instead: a 16-bit grey
 # PNG comes out all white, a float TIFF all black):
@@ -23,8 +22,8 @@ SIXTEEN_BIT_MODES = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
 def _high_depth_to_grey(image):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     values = np.asarray(image)
     if image.mode == "F":
@@ -38,7 +37,7 @@ def to_rgb(image, source: str = "keyframe image"):
     """Any PIL image -> RGB as it is meant to be seen: EXIF orientation applied (phone photos), transparency
     composited onto white (as the vision tower's reference processor does), palette / CMYK / 1-bit / grey by PIL's
     own conversion, 16-bit and float grey scaled as above. `source` names the image in errors."""
-    from PIL import ImageOps, Image
+    from PIL import Image, ImageOps
 
     image = ImageOps.exif_transpose(image)
     if image.mode in SIXTEEN_BIT_MODES or image.mode in ("I", "F"):
@@ -80,8 +79,8 @@ def open_keyframe(path, what: str = "keyframe image"):
 
 
 def _to_pil(image, what: str = "keyframe"):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     if isinstance(image, Image.Image):
         return to_rgb(image)
@@ -126,3 +125,18 @@ def pil_to_frames(image) -> torch.Tensor:
     import numpy as np
 
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)[None, None]  # [1, 1, H, W, 3]
+
+
+def check_image_file(path, name: str) -> Path:
+    """The file exists and PIL can open it (its header; the keyframe code decodes it later)."""
+    from PIL import Image
+
+    path = Path(path)
+    if not path.is_file():
+        raise H3Error(f"{name} {path}: no such image file.")
+    try:
+        with Image.open(path) as image:
+            image.size  # noqa: B018  (opening reads the header; a decompression bomb is refused here)
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise H3Error(f"{name} {path}: PIL cannot open it as an image ({exc}).") from None
+    return path

@@ -15,21 +15,23 @@ from typing import Callable, Mapping
 
 import torch
 
+from .. import settings
 from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
-from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED, resolve_dit_checkpoint, target_dtype
+from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED
+from ..checkpoints.dit_loader import resolve_dit_checkpoint, target_dtype
+from ..checkpoints.lora_loader import LoraFold, read_lora
 from ..checkpoints.quantised import DEQUANTISED_DEFAULT_DTYPE
-from ..checkpoints.text_encoder_loader import (PHASE_SCOPED as TEXT_PHASE_SCOPED,
-                                               STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX,
-                                               resolve_text_encoder_checkpoint)
+from ..checkpoints.text_encoder_loader import PHASE_SCOPED as TEXT_PHASE_SCOPED
+from ..checkpoints.text_encoder_loader import STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX
+from ..checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
 from ..checkpoints.video_vae_loader import VIDEO_PHASE_SCOPED, resolve_video_vae_checkpoint
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
+from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 from ..runtime.chunking import projection_elements_per_row
-from ..checkpoints.lora_loader import LoraFold, read_lora
-from ..runtime.memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, fit_budget, format_bytes
 from ..runtime.platform import Platform
-from .layout import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
+from .memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, fit_budget, format_bytes
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
@@ -109,7 +111,7 @@ def reference_rows_estimate(references) -> int:
     """The rows a Ref2VA request's normalised references (`references.ReferenceRequest`) add: in the DiT, every
     image's and video's 2x2-patched latent rows and every audio's 2 x latents; in the text, each vision block's
     tokens (roughly a quarter of its 32-px cells) and the labels."""
-    from .references import sample_video_for_text_encoder
+    from ..request.references import sample_video_for_text_encoder
 
     rows = 0
     for ref in references.references:
@@ -369,7 +371,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
     else:
         if residency == "auto":
             residency = Platform.for_device(device).default_residency
-        options = {name: ({"residency": residency} if residency != "resident" else {}) for name in COMPONENTS}
+        options = {name: ({"residency": residency} if residency != settings.RESIDENT else {}) for name in COMPONENTS}
         if chunk_size is not None:
             options["transformer"]["chunk_size"] = chunk_size
     if chunk_size is not None:  # the plan sets the transformer's; the text encoder takes the same rows per chunk

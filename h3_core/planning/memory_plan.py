@@ -17,11 +17,14 @@ in an "AdaLN plan" part of their own before the steps, whose host tables stay th
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+from .. import settings
 from ..errors import H3Error
-from .platform import Platform
+from ..runtime.platform import Platform
 
 GiB = 1 << 30
 # Components that run many passes per request and keep their staging ring between them, reading the next pass's
@@ -58,7 +61,7 @@ class ComponentEstimate:
     fixed_bytes: int  # weights outside the streamed units (resident ones and phase-scoped ones)
     activation_bytes: int
     streamable: bool
-    residency: str = "resident"
+    residency: str = settings.RESIDENT
     prefetch: int = 0
     scoped_bytes: dict = field(default_factory=dict)
     companion_unit_bytes: int = 0
@@ -83,7 +86,7 @@ class ComponentEstimate:
     def weight_bytes(self, prefetch: int | None = None) -> int:
         """Weights on the device at the component's peak: all of them, or (layerwise) the resident fixed ones plus
         the largest of its phase-scoped groups, its `prefetch + 1` streamed units and its companion unit."""
-        if self.residency == "layerwise":
+        if self.residency == settings.LAYERWISE:
             ahead = self.prefetch if prefetch is None else prefetch
             return self.resident_fixed_bytes + max((ahead + 1) * self.unit_bytes, self.companion_unit_bytes,
                                                    *self.scoped_bytes.values()) + self.dequantised_unit_bytes
@@ -95,7 +98,7 @@ class ComponentEstimate:
     def host_store_bytes(self, copying_store: bool) -> int:
         """Host memory of the streamed units: a copy where the store packs them (CUDA's pinned slabs, at most the
         pin budget), nothing where it holds the checkpoint's memory maps (CPU, MPS)."""
-        return self.total_bytes - self.fixed_bytes if self.residency == "layerwise" and copying_store else 0
+        return self.total_bytes - self.fixed_bytes if self.residency == settings.LAYERWISE and copying_store else 0
 
     def staging_bytes(self, read_ahead: int | None, platform: Platform | None = None) -> int:
         """The staging ring of a streamed component beyond its device slots; None: no ring. See `staging_items`."""
@@ -219,7 +222,7 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
                      read_ahead: int | None) -> list[PhaseItem]:
     """What `c` holds during the phase `spec` runs it (None: an idle kept component)."""
     copying = platform.asynchronous_copies
-    if c.residency != "layerwise":
+    if c.residency != settings.LAYERWISE:
         items = [PhaseItem(c.name, "weights", c.total_bytes + c.dequantised_extra_bytes)]
         if spec is not None:
             activations = c.activation_bytes if spec.activation_bytes is None else spec.activation_bytes
@@ -423,7 +426,7 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
 
     fixed = dict(residency) if isinstance(residency, Mapping) else (
         {c.name: residency for c in components} if residency is not None else None)
-    bad = sorted({value for value in (fixed or {}).values()} - {"resident", "layerwise"}, key=str)
+    bad = sorted({value for value in (fixed or {}).values()} - {settings.RESIDENT, settings.LAYERWISE}, key=str)
     if bad:
         raise H3Error(f"residency must be 'resident' or 'layerwise' (or None to choose), got {bad[0]!r}.")
     for c in components:
@@ -431,20 +434,20 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
         if c.streamable and fixed is not None and c.name in fixed:
             c.residency = fixed[c.name]
         elif c.streamable and platform.unified_memory:
-            c.residency = "layerwise"
+            c.residency = settings.LAYERWISE
     by_name = {c.name: c for c in components}
     for index in range(len(phases) if fixed is None else 0):
         tried: set[str] = set()
         while budgeted(phase := estimate()[index]) > budget_bytes:
             candidates = [by_name[n] for n in phase.components
-                          if n not in tried and by_name[n].streamable and by_name[n].residency == "resident"]
+                          if n not in tried and by_name[n].streamable and by_name[n].residency == settings.RESIDENT]
             if not candidates:
                 break
             chosen = max(candidates, key=lambda c: c.total_bytes)
             tried.add(chosen.name)
-            chosen.residency = "layerwise"
+            chosen.residency = settings.LAYERWISE
             if budgeted(estimate()[index]) >= budgeted(phase):  # streaming would not make this phase smaller
-                chosen.residency = "resident"
+                chosen.residency = settings.RESIDENT
     # The DiT's per-chunk temporaries get whatever the rest of its phase leaves.
     fused_temporaries = rows * row_bytes
     dit_phase = next((i for i, spec in enumerate(phases) if spec.component == dit.name), None)
@@ -468,8 +471,8 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     options: dict = {}
     for c in components:
         opts = {}
-        if c.residency == "layerwise":
-            opts["residency"] = "layerwise"
+        if c.residency == settings.LAYERWISE:
+            opts["residency"] = settings.LAYERWISE
         if c is dit:
             if chunk_size is not None:
                 opts["chunk_size"] = chunk_size
@@ -478,3 +481,10 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
         options[c.name] = opts
     plan.component_options = options
     return plan
+
+
+def check_memory_budget_gib(value, name: str = "memory budget") -> float:
+    """A budget in GiB, as the CLI's --memory-budget takes it: a finite number above 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise H3Error(f"{name} {value!r}: must be a finite number of GiB above 0, e.g. 24.")
+    return float(value)
