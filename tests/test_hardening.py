@@ -111,9 +111,9 @@ def test_audio_encode_rejects_wrong_layout(tiny):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(width=100), "width must be a positive multiple of 32"),
-    (dict(height=0), "height must be a positive multiple of 32"),
-    (dict(num_frames=40), r"17n \+ 5 .* nearest valid count above it is 56"),
+    (dict(width=100), "width 100 is not a positive multiple of 32"),
+    (dict(height=0), "height 0 is not a positive multiple of 32"),
+    (dict(num_frames=40), r"num_frames 40 is off the 17n \+ 5 frame grid .*; use 56"),
     (dict(steps=1), "steps 1: must be at least 2"),
 ])
 def test_bad_request_sizes(tiny, kwargs, message):

@@ -97,7 +97,7 @@ def test_shape_table_from_the_spec():
 def test_bad_frames_and_canvas_are_explained():
     with pytest.raises(H3Error, match=r"17n \+ 5.*40.*56"):
         G.video_latent_frames(40)
-    with pytest.raises(H3Error, match="width must be a positive multiple of 32.*use 96 or 128"):
+    with pytest.raises(H3Error, match="width 100 is not a positive multiple of 32 pixels; use 96 or 128"):
         G.LatentShape.for_request(100, 64, 39)
     with pytest.raises(H3Error, match="height"):
         G.check_canvas(64, 0)

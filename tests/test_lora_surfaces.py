@@ -62,7 +62,7 @@ def test_sample_makes_the_transformer_lora_set_equal_to_the_call_s(tiny, lora, m
     monkeypatch.setattr(pipeline_module, "set_loras", lambda model, loras: calls.append(loras) or real(model, loras))
     pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
     cond = pipe.encode_prompt("a fox", width=64, height=32)
-    run = lambda **kw: pipe.sample(cond, SHAPE, steps=3, seed=1, **kw)  # noqa: E731
+    run = lambda **kw: pipe.sample(cond, num_frames=SHAPE.num_frames, steps=3, seed=1, **kw)  # noqa: E731
     base = run()
     with_lora = run(loras=[(str(lora), 1.0)])
     dit = pipe.component("transformer")
@@ -73,7 +73,7 @@ def test_sample_makes_the_transformer_lora_set_equal_to_the_call_s(tiny, lora, m
     assert torch.equal(run().video, with_lora.video) and len(calls) == 1  # None keeps the set
     assert not torch.equal(with_lora.video, base.video)
     assert torch.equal(run(loras=()).video, base.video) and dit.loras == () and len(calls) == 2
-    with pytest.raises(h3_core.LoraError, match="strength"):
+    with pytest.raises(h3_core.H3Error, match="loras: the strength of .* must be a finite number"):
         run(loras=[(lora, float("nan"))])
     pipe.release_all()
 
@@ -119,9 +119,9 @@ def recorded(tiny_cache, monkeypatch):
         seen["load_dit"] = kwargs
         return real_load(*args, **kwargs)
 
-    def generate(self, prompt, **kwargs):
-        seen["generate"] = kwargs
-        return real_generate(self, prompt, **kwargs)
+    def generate(self, request, **kwargs):
+        seen["generate"] = {name: getattr(request, name) for name in ("steps", "video_shift", "audio_shift", "loras")}
+        return real_generate(self, request, **kwargs)
 
     monkeypatch.setattr(pipeline_module, "load_dit", load)
     monkeypatch.setattr(H3Pipeline, "generate", generate)
@@ -196,14 +196,14 @@ def test_a_lora_file_replaced_on_disk_is_read_again(tiny, lora, tmp_path):
     save_file(load_file(str(lora)), str(path))
     pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
     cond = pipe.encode_prompt("a fox", width=64, height=32)
-    first = pipe.sample(cond, SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    first = pipe.sample(cond, num_frames=SHAPE.num_frames, steps=3, seed=1, loras=[(path, 1.0)])
     doubled = {k: v * 2 for k, v in load_file(str(path)).items()}
     save_file(doubled, str(tmp_path / "new.safetensors"))
     os.replace(tmp_path / "new.safetensors", path)
-    second = pipe.sample(cond, SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    second = pipe.sample(cond, num_frames=SHAPE.num_frames, steps=3, seed=1, loras=[(path, 1.0)])
     assert not torch.equal(first.video, second.video)
     fresh = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
-    want = fresh.sample(fresh.encode_prompt("a fox", width=64, height=32), SHAPE, steps=3, seed=1, loras=[(path, 1.0)])
+    want = fresh.sample(fresh.encode_prompt("a fox", width=64, height=32), num_frames=SHAPE.num_frames, steps=3, seed=1, loras=[(path, 1.0)])
     assert torch.equal(second.video, want.video)
     pipe.release_all()
     fresh.release_all()

@@ -206,8 +206,7 @@ def test_each_phase_estimate_bounds_its_measured_peak(sources, residency):
 
     cond = measure("text encode", lambda: pipe.encode_prompt(prompt, width=width, height=height))
     assert TEXT_ROWS_ESTIMATE - 8 <= cond.states.shape[0] <= TEXT_ROWS_ESTIMATE
-    latents = measure("sampling", lambda: pipe.sample(cond, LatentShape.for_request(width, height, frames),
-                                                      steps=3, seed=1))
+    latents = measure("sampling", lambda: pipe.sample(cond, num_frames=frames, steps=3, seed=1))
     measure("video decode", lambda: pipe.decode_video(latents))
     measure("audio decode", lambda: pipe.decode_audio(latents))
     pipe.release_all()

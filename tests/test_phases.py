@@ -117,8 +117,8 @@ def test_phases_release_at_their_start_and_log_it(sources, census):
 
     cond = pipe.encode_prompt("a fox", width=64, height=64)
     shape = LatentShape.for_request(64, 64, 5)
-    latents = pipe.sample(cond, shape, steps=3, seed=1)
-    pipe.sample(cond, shape, steps=3, seed=2)
+    latents = pipe.sample(cond, num_frames=shape.num_frames, steps=3, seed=1)
+    pipe.sample(cond, num_frames=shape.num_frames, steps=3, seed=2)
     assert census.loads["transformer"] == 1 and pipe.residency_summary("transformer") is not None
     pipe.decode_video(latents)
     assert "video decode: releasing transformer (not kept)" in logged

@@ -181,26 +181,26 @@ def test_chunking_is_an_option_of_one_sample_call(pipeline):
 
     cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
     shape = LatentShape.for_request(64, 96, 5)
-    fused = pipeline.sample(cond, shape, steps=3, seed=3)
+    fused = pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3)
     policy = pipeline.component("transformer").chunking
     saved = vars(policy).copy()
     reclaims = []
-    chunked = pipeline.sample(cond, shape, steps=3, seed=3, chunk_size=16, between_chunks=lambda: reclaims.append(1))
+    chunked = pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3, chunk_size=16, between_chunks=lambda: reclaims.append(1))
     assert reclaims  # ran between the row chunks of this call
     assert pipeline.component("transformer").chunking is policy and vars(policy) == saved
     assert torch.allclose(chunked.video, fused.video, atol=1e-5, rtol=0)
     assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
     reclaims.clear()
-    assert torch.equal(pipeline.sample(cond, shape, steps=3, seed=3).video, fused.video) and not reclaims
+    assert torch.equal(pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3).video, fused.video) and not reclaims
     with pytest.raises(ChunkingError, match="chunk_size must be a positive integer"):
-        pipeline.sample(cond, shape, steps=3, seed=3, chunk_size=0)
+        pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3, chunk_size=0)
 
 
 def test_decode_video_and_audio_are_the_two_halves_of_decode(pipeline):
     from h3_core.request.grid import LatentShape, audio_samples_for_frames
 
     cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
-    latents = pipeline.sample(cond, LatentShape.for_request(64, 96, 22), steps=3, seed=3)
+    latents = pipeline.sample(cond, num_frames=22, steps=3, seed=3)
     frames, waveform = pipeline.decode_video(latents), pipeline.decode_audio(latents)
     assert frames.shape == (22, 96, 64, 3) and frames.dtype == torch.float32 and frames.is_contiguous()
     assert waveform.shape == (2, audio_samples_for_frames(22)) and waveform.is_contiguous()  # trimmed to the video
@@ -331,7 +331,7 @@ def test_cli_png_and_wav_fallback(tiny, tiny_cache, tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--size", "100x64"], "width 100 is not a positive multiple of 32; try 96"),
+    (["--size", "100x64"], "--size 100x64: width 100 is not a positive multiple of 32 pixels; use 96 or 128"),
     (["--size", "96by64"], "WIDTHxHEIGHT"),
     (["--seconds", "0"], "--seconds 0: must be more than 0"),
     (["--seconds", "16"], "at most 15"),

@@ -111,8 +111,8 @@ def test_sampling_loop_matches_the_reference_ref2va_loop(sources, tmp_path, resi
     given = request(seed=2)
     refs = build_references(given["reference_images"], given["reference_videos"], given["reference_audios"],
                             num_frames=FRAMES, width=WIDTH, height=HEIGHT, canvas_rules=canvas_rules(sources))
-    cond = pipe.encode_prompt("a fox sings", width=WIDTH, height=HEIGHT, references=refs)
-    latents = pipe.sample(cond, LatentShape.for_request(WIDTH, HEIGHT, FRAMES), steps=4, seed=7)
+    cond = pipe.encode_prompt("a fox sings", width=WIDTH, height=HEIGHT, num_frames=FRAMES, **given)
+    latents = pipe.sample(cond, num_frames=FRAMES, steps=4, seed=7)
     visual, audio = pipe.encode_reference_latents(cond)
     pipe.release_all()
     out = reference_loop(reference, cond, refs, visual, audio, steps=4, seed=7)
@@ -169,8 +169,8 @@ def test_references_need_the_ref2va_transformer(tiny):
 
 
 def test_keyframes_and_references_are_not_combined(pipeline):
-    with pytest.raises(H3Error, match="first_frame / last_frame and reference images / videos / audios cannot be "
-                                      "combined"):
+    with pytest.raises(H3Error, match="first_frame / last_frame cannot be combined with "
+                                      "reference_images / reference_videos / reference_audios"):
         generate(pipeline, first_frame=picture(64, 96, 1), reference_images=[picture(64, 64, 0)])
 
 
@@ -216,13 +216,13 @@ def test_reference_encoders_are_phase_scoped_and_released_before_sampling(source
     given = request(seed=3)
     refs = build_references(given["reference_images"], given["reference_videos"], given["reference_audios"],
                             num_frames=FRAMES, width=WIDTH, height=HEIGHT, canvas_rules=canvas_rules(sources))
-    cond = pipe.encode_prompt("a fox", width=WIDTH, height=HEIGHT, references=refs)
+    cond = pipe.encode_prompt("a fox", width=WIDTH, height=HEIGHT, num_frames=FRAMES, **given)
     visual, audio = pipe.encode_reference_latents(cond)
     assert [v.shape[2] for v in visual] == [1, 7, 2] and len(audio) == 2  # image, video 22 -> 7, video 14 -> 5 -> 2
     assert pipe.loaded == ("audio_vae",)  # the video VAE went when the audio encode started
     phases = pipe.component("audio_vae").weight_phases
     assert phases.names == ("encoder",) and phases.materialised() == ()  # its weights released after the encode
-    pipe.sample(cond, LatentShape.for_request(WIDTH, HEIGHT, FRAMES), steps=2, seed=0)
+    pipe.sample(cond, num_frames=FRAMES, steps=2, seed=0)
     assert "sampling: releasing audio_vae (not kept)" in logged
     assert "reference audio encode: releasing video_vae (not kept)" in logged
     pipe.release_all()

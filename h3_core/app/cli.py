@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import signal
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -14,12 +14,11 @@ import torch
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..planning.memory_plan import check_memory_budget_gib
-from ..request.generation_request import (AUDIO_SHIFT, MAX_CANVAS, MAX_FRAMES, MAX_SECONDS, VIDEO_SHIFT, check_prompt,
-                                          check_seed, check_shift, check_steps)
-from ..request.grid import FPS, align_num_frames, frames_for_seconds
+from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, GenerationRequest, RequestNames, frames_for_duration
+from ..request.grid import FPS
 from ..request.keyframes import check_image_file
 from ..request.media_files import output_problem
-from ..runtime.platform import Platform, device_problem, peak_rss_bytes
+from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
 from .progress import DownloadBar, ProgressBar, memory_report
 
@@ -44,18 +43,19 @@ def _flagged(flag: str, check, value, *args):
         raise CliError(str(exc)) from None
 
 
+# The request's fields as the flags name them (`--size` and the duration flag are filled in per run).
+CLI_NAMES = RequestNames(prompt="the prompt", num_frames="--frames", steps="--steps", seed="--seed",
+                         video_shift="--video-shift", audio_shift="--audio-shift", first_frame="--first-frame",
+                         last_frame="--last-frame", reference_images="--ref-image", reference_videos="--ref-video",
+                         reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora")
+
+
 def parse_size(text: str) -> tuple[int, int]:
+    """`WIDTHxHEIGHT` -> (width, height); the canvas rule itself is the request's."""
     try:
         width, height = (int(part) for part in text.lower().split("x"))
     except ValueError:
         raise CliError(f"--size {text!r}: write it as WIDTHxHEIGHT, e.g. 1344x768.") from None
-    for name, value in (("width", width), ("height", height)):
-        if value < 32 or value % 32:
-            near = max(32, round(value / 32) * 32)
-            raise CliError(f"--size {text}: {name} {value} is not a positive multiple of 32; try {near}.")
-        if value > MAX_CANVAS:
-            raise CliError(f"--size {text}: {name} {value} is past the {MAX_CANVAS}-pixel limit (H3 was trained at "
-                           "1344x768).")
     return width, height
 
 
@@ -171,27 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_frames(args, defaults, say) -> int:
+    """--seconds or --frames (an off-grid --frames is rounded up, with a note) -> the frame count."""
     if args.frames is not None and args.seconds is not None:
         raise CliError("give --seconds or --frames, not both.")
-    if args.frames is not None:
-        if args.frames < 1:
-            raise CliError(f"--frames {args.frames}: must be at least 1.")
-        frames = align_num_frames(args.frames)
-        if frames > MAX_FRAMES:
-            raise CliError(f"--frames {args.frames}: {frames} frames on the grid is {frames / FPS:.1f} s; H3 "
-                           f"generates at most {MAX_SECONDS:g} s ({MAX_FRAMES} frames).")
-        if frames != args.frames:
-            say(f"note: {args.frames} frames is off the 17n+5 grid the video VAE needs; rounding up to {frames}.")
-        return frames
-    seconds = defaults["seconds"] if args.seconds is None else args.seconds
-    if not 0 < seconds <= MAX_SECONDS:
-        raise CliError(f"--seconds {seconds:g}: must be more than 0 and at most {MAX_SECONDS:g} (H3 generates up "
-                       "to 15 s).")
-    return frames_for_seconds(seconds)
+    seconds = defaults.get("seconds") if args.seconds is None else args.seconds
+    try:
+        frames, note = frames_for_duration(seconds, args.frames, names=("--seconds", "--frames"), round_up=True)
+    except H3Error as exc:
+        raise CliError(str(exc)) from None
+    if note:
+        say(note)
+    return frames
 
 
-def check_arguments(args, say) -> dict:
-    """Every check that needs no model, in the flags' words, before anything is resolved or loaded."""
+def check_arguments(args, say) -> GenerationRequest:
+    """Every check that needs no model, in the flags' words, before anything is resolved or loaded; the request's
+    own rules are `GenerationRequest`'s (reference files are decoded here, normalised by the engine)."""
     tiny = args.model is None and not getattr(args, "server", None)
     defaults = TINY_DEFAULTS if tiny else MODEL_DEFAULTS
     problem = device_problem(args.device)
@@ -200,33 +195,34 @@ def check_arguments(args, say) -> dict:
     problem = output_problem(args.out)
     if problem:
         raise CliError(f"--out {args.out!r}: {problem}.")
-    width, height = parse_size(args.size or defaults["size"])
+    size = args.size or defaults["size"]
+    width, height = parse_size(size)
     num_frames = resolve_frames(args, defaults, say)
-    _flagged("--seed", check_seed, args.seed)
-    try:
-        check_prompt(args.prompt, "the prompt")
-    except H3Error as exc:
-        raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
-                                        "and give the prompt as UTF-8 text")) from None
     if args.memory_budget is not None:
         _flagged("--memory-budget", check_memory_budget_gib, args.memory_budget)
+    if args.chunk_size is not None and args.chunk_size < 1:
+        raise CliError(f"--chunk-size {args.chunk_size}: must be at least 1 (rows per chunk).")
     for flag, path in (("--first-frame", args.first_frame), ("--last-frame", args.last_frame)):
         if path is not None:
             _flagged(flag, check_image_file, path)
     check_reference_flags(args)
     loras = [parse_lora(text) for text in args.lora]
     recommended = lora_recommendations(loras, args, say)
-    steps = recommended.get("steps", defaults["steps"]) if args.steps is None else args.steps
-    video_shift = recommended.get("video_shift", VIDEO_SHIFT) if args.video_shift is None else args.video_shift
-    audio_shift = recommended.get("audio_shift", AUDIO_SHIFT) if args.audio_shift is None else args.audio_shift
-    for flag, key, value in (("--steps", "steps", steps), ("--video-shift", "video_shift", video_shift),
-                             ("--audio-shift", "audio_shift", audio_shift)):
-        name = flag if key not in recommended else f"the LoRA's recommended {key.replace('_', ' ')}"
-        _flagged(name, check_steps if key == "steps" else check_shift, value)
-    if args.chunk_size is not None and args.chunk_size < 1:
-        raise CliError(f"--chunk-size {args.chunk_size}: must be at least 1 (rows per chunk).")
-    return dict(width=width, height=height, num_frames=num_frames, steps=steps, video_shift=video_shift,
-                audio_shift=audio_shift, loras=loras, out=Path(args.out).expanduser())
+    chosen = {key: recommended.get(key, default) if getattr(args, key) is None else getattr(args, key)
+              for key, default in (("steps", defaults["steps"]), ("video_shift", VIDEO_SHIFT),
+                                   ("audio_shift", AUDIO_SHIFT))}
+    names = dataclasses.replace(
+        CLI_NAMES, width=f"--size {size}: width", height=f"--size {size}: height",
+        num_frames="--frames" if args.frames is not None else "--seconds",
+        **{key: f"the LoRA's recommended {key.replace('_', ' ')}" for key in chosen if key in recommended})
+    try:
+        return GenerationRequest(
+            prompt=args.prompt, width=width, height=height, num_frames=num_frames, seed=args.seed, **chosen,
+            first_frame=args.first_frame, last_frame=args.last_frame, loras=tuple(loras),
+            **read_reference_files(args), names=names)
+    except H3Error as exc:
+        raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
+                                        "and give the prompt as UTF-8 text")) from None
 
 
 def has_references(args) -> bool:
@@ -234,22 +230,13 @@ def has_references(args) -> bool:
 
 
 def check_reference_flags(args) -> None:
-    """The Ref2VA flags' own checks (counts, files, partition), before any model is resolved."""
-    from ..request.references import check_reference_counts
-
+    """What the Ref2VA flags need beyond the request's rules: the Ref2VA partition, and files that exist."""
     if not has_references(args):
         return
     flags = ("--ref-image", "--ref-video", "--ref-audio")
-    try:
-        check_reference_counts(len(args.ref_image), len(args.ref_video), len(args.ref_audio), flags)
-    except H3Error as exc:
-        raise CliError(str(exc)) from None
     if args.partition != "ref2va":
         raise CliError(f"{' / '.join(f for f, v in zip(flags, (args.ref_image, args.ref_video, args.ref_audio)) if v)}"
                        ": references need the Ref2VA transformer; add --partition ref2va.")
-    if args.first_frame is not None or args.last_frame is not None:
-        raise CliError("--first-frame / --last-frame cannot be combined with --ref-image / --ref-video / --ref-audio "
-                       "(the Ref2VA layout with keyframes is not implemented); give one or the other.")
     for path in args.ref_image:
         _flagged("--ref-image", check_image_file, path)
     for flag, paths in (("--ref-video", args.ref_video), ("--ref-audio", args.ref_audio)):
@@ -258,25 +245,28 @@ def check_reference_flags(args) -> None:
                 raise CliError(f"{flag} {path}: no such file.")
 
 
-def read_references(args, sources, request):
-    """The reference files, decoded and normalised (`references.build_references`), in the flags' words."""
-    from ..request.references import build_references
-    from ..sources.model_sources import canvas_rules
+def read_reference_files(args) -> dict:
+    """The reference flags as request fields: images by path, videos and audios decoded (frames and soundtrack at
+    their own rates), each labelled with its flag and file for errors."""
     from ..sources.reference_files import read_audio_file, read_video_file
 
     if not has_references(args):
-        return None
+        return {}
+    flags = (("image", "--ref-image", args.ref_image), ("video", "--ref-video", args.ref_video),
+             ("audio", "--ref-audio", args.ref_audio))
+    from ..request.references import check_reference_counts
+
+    try:  # the counts first: a tenth image is refused before any video is decoded
+        check_reference_counts(len(args.ref_image), len(args.ref_video), len(args.ref_audio), CLI_NAMES.references)
+    except H3Error as exc:
+        raise CliError(str(exc)) from None
     videos = [(frames, waveform, fps, rate) for frames, fps, waveform, rate in
               (read_video_file(path) for path in args.ref_video)]
-    audios = [read_audio_file(path) for path in args.ref_audio]
-    labels = {(kind, i): f"{flag} {path}" for kind, flag, paths in
-              (("image", "--ref-image", args.ref_image), ("video", "--ref-video", args.ref_video),
-               ("audio", "--ref-audio", args.ref_audio)) for i, path in enumerate(paths)}
-    return build_references(args.ref_image, videos, audios, num_frames=request["num_frames"],
-                            width=request["width"], height=request["height"],
-                            reference_image_size=args.ref_image_size,
-                            names=("--ref-image", "--ref-video", "--ref-audio"), labels=labels,
-                            canvas_rules=canvas_rules(sources))
+    return dict(reference_images=tuple(args.ref_image), reference_videos=tuple(videos),
+                reference_audios=tuple(read_audio_file(path) for path in args.ref_audio),
+                reference_image_size=args.ref_image_size,
+                reference_labels=tuple(((kind, i), f"{flag} {path}") for kind, flag, paths in flags
+                                       for i, path in enumerate(paths)))
 
 
 def check_large_request(args, sources, request, residency, references=None) -> None:
@@ -284,13 +274,12 @@ def check_large_request(args, sources, request, residency, references=None) -> N
     from ..planning.request_estimate import describe_estimate, estimate_request, large_request_reasons
     from ..runtime.file_reads import total_memory_bytes
 
-    estimate = estimate_request(sources, device=args.device, width=request["width"], height=request["height"],
-                                num_frames=request["num_frames"], steps=request["steps"], dtype=DTYPES[args.dtype],
-                                chunk_size=args.chunk_size, loras=request["loras"], keep=args.keep,
-                                keyframes=args.first_frame is not None or args.last_frame is not None,
-                                residency=residency, references=references)
+    estimate = estimate_request(sources, device=args.device, width=request.width, height=request.height,
+                                num_frames=request.num_frames, steps=request.steps, dtype=DTYPES[args.dtype],
+                                chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
+                                keyframes=bool(request.anchors), residency=residency, references=references)
     memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
-    reasons = large_request_reasons(request["width"], request["height"], request["steps"], estimate, memory,
+    reasons = large_request_reasons(request.width, request.height, request.steps, estimate, memory,
                                     size_name="--size", steps_name="--steps")
     if reasons and not args.yes_large:
         raise CliError(f"this is a large request: {'; '.join(reasons)}. {describe_estimate(estimate)}. Pass "
@@ -320,18 +309,15 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
 
         check_remote_flags(args)
     request = check_arguments(args, say)
-    out = request["out"]
+    out = Path(args.out).expanduser()
     before = _identity(out)
     if outputs is not None:
         outputs.update(path=out, before=before)
     if args.server:
         from .remote_cli import generate_remote
 
-        return generate_remote(args, request, before, say, ProgressBar("remote job"))
-    tiny = args.model is None
-    width, height, num_frames, steps, loras = (request[k] for k in ("width", "height", "num_frames", "steps",
-                                                                    "loras"))
-    if tiny:
+        return generate_remote(args, request, out, before, say, ProgressBar("remote job"))
+    if args.model is None:
         from ..sources.tiny_default import ensure_tiny_model
 
         say("using the embedded tiny random model: it produces noise and only checks the install; "
@@ -340,26 +326,24 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     else:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
     from ..planning.phase_plans import plan_components
+    from ..sources.model_sources import canvas_rules
 
     residency = None if args.residency == "auto" else args.residency
-    references = read_references(args, sources, request)
+    references = request.normalised_references(canvas_rules(sources))
     check_large_request(args, sources, request, residency, references)
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
-                              memory_budget_gb=args.memory_budget, width=width, height=height,
-                              num_frames=num_frames, loras=loras, keep=args.keep, steps=steps,
-                              dtype=DTYPES[args.dtype],
-                              keyframes=args.first_frame is not None or args.last_frame is not None, log=say,
-                              references=references)
+                              memory_budget_gb=args.memory_budget, width=request.width, height=request.height,
+                              num_frames=request.num_frames, loras=request.loras, keep=args.keep,
+                              steps=request.steps, dtype=DTYPES[args.dtype], keyframes=bool(request.anchors),
+                              log=say, references=references)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
-    say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
-        f"seed {args.seed}" + "".join(f", LoRA {path.name} x{strength:g}" for path, strength in loras))
+    say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
+        f"{request.steps - 1} model calls, seed {request.seed}"
+        + "".join(f", LoRA {Path(path).name} x{strength:g}" for path, strength in request.loras))
     bar = ProgressBar("sampling")
     try:
-        result = pipeline.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
-                                   seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
-                                   video_shift=request["video_shift"], audio_shift=request["audio_shift"],
-                                   progress=bar, references=references)
+        result = pipeline.generate(request, progress=bar)
     finally:
         bar.close()
         pipeline.release_all()

@@ -4,7 +4,6 @@ server (h3_core.remote.RemoteEngine) instead of this machine."""
 from __future__ import annotations
 
 from ..errors import H3Error
-from ..request.grid import FPS
 
 # Flags that configure a local run only, with their defaults: given with --server, they are ignored and said so.
 LOCAL_ONLY_FLAGS = (("--model", "model", None), ("--residency", "residency", "auto"),
@@ -24,8 +23,8 @@ def check_remote_flags(args) -> None:
                       "drop --server to run locally.")
 
 
-def generate_remote(args, request: dict, before, say, bar) -> list:
-    """`bar` is the CLI's progress bar (it hears the server's percent)."""
+def generate_remote(args, request, out, before, say, bar) -> list:
+    """`request`: the checked `GenerationRequest`; `bar` is the CLI's progress bar (it hears the server's percent)."""
     from ..remote import RemoteEngine
     from ..remote.videos_client import check_server_url
 
@@ -36,16 +35,12 @@ def generate_remote(args, request: dict, before, say, bar) -> list:
             "runs its own model with its own memory settings")
     engine = RemoteEngine(url, partition=args.partition, log=say)
     say(f"server {url}: {engine.describe_server()}")
-    width, height, num_frames, steps = (request[k] for k in ("width", "height", "num_frames", "steps"))
-    say(f"generating {num_frames} frames ({num_frames / FPS:.2f} s) at {width}x{height}, {steps - 1} model calls, "
-        f"seed {args.seed}, on {url}")
+    say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
+        f"{request.steps - 1} model calls, seed {request.seed}, on {url}")
     try:
-        result = engine.generate(args.prompt, width=width, height=height, num_frames=num_frames, steps=steps,
-                                 seed=args.seed, first_frame=args.first_frame, last_frame=args.last_frame,
-                                 video_shift=request["video_shift"], audio_shift=request["audio_shift"],
-                                 progress=bar)
+        result = engine.generate(request, progress=bar)
     finally:
         bar.close()
     from ..request.media_files import write_outputs
 
-    return write_outputs(request["out"], result, before, say)
+    return write_outputs(out, result, before, say)

@@ -26,12 +26,11 @@ from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..planning.phase_plans import PHASES, REFERENCE_PHASES
-from ..request.generation_request import (AUDIO_SHIFT, VIDEO_SHIFT, check_canvas_limit, check_prompt, check_seed,
-                                          check_shift, check_steps)
+from ..request.generation_request import GenerationRequest
 from ..request.generation_result import GenerationResult
-from ..request.grid import AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_samples_for_frames
+from ..request.grid import LatentShape, audio_samples_for_frames
 from ..request.keyframes import pil_to_frames, prepare_keyframes
-from ..request.references import ReferenceRequest, build_references, sample_video_for_text_encoder
+from ..request.references import ReferenceRequest, sample_video_for_text_encoder
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.platform import Platform, device_problem
 from ..sources.model_sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
@@ -54,6 +53,7 @@ class Conditioning:
     keyframes: list = field(default_factory=list)  # prepared PIL images, in packed order
     anchors: tuple[str, ...] = ()
     references: ReferenceRequest | None = None  # Ref2VA references, normalised, in request order
+    request: GenerationRequest | None = None  # what was encoded: its canvas and duration are the sample's
 
 
 @dataclass
@@ -241,34 +241,33 @@ class H3Pipeline:
     # -- phases --------------------------------------------------------------------------------------------------
 
     @serialised
-    def encode_prompt(self, prompt: str, *, width: int, height: int, first_frame=None,
-                      last_frame=None, references: ReferenceRequest | None = None) -> Conditioning:
-        """The text-encode phase. `references` (from `references.build_references`) makes it the Ref2VA
-        presentation: a label per reference in request order, the vision blocks of images and videos."""
-        check_prompt(prompt)
-        anchors = tuple(a for a, image in (("first", first_frame), ("last", last_frame)) if image is not None)
-        if references and anchors:
-            raise H3Error("first_frame / last_frame and reference images / videos / audios cannot be combined: the "
-                          "Ref2VA layout with keyframes is not implemented. Give either keyframes (FL2VA) or "
-                          "references (Ref2VA).")
-        keyframes = prepare_keyframes([i for i in (first_frame, last_frame) if i is not None], width, height)
+    def encode_prompt(self, request: GenerationRequest | str, /, **fields) -> Conditioning:
+        """The text-encode phase of a request (`GenerationRequest`, or a prompt and its fields as keywords). With
+        references (and the Ref2VA transformer) it is the Ref2VA presentation: a label per reference in request
+        order, the vision blocks of images and videos."""
+        request = GenerationRequest.of(request, fields)
+        references = request.normalised_references(canvas_rules(self.sources))
+        if references:
+            self.check_ref2va_transformer()
+        keyframes = prepare_keyframes(request.keyframe_images, request.width, request.height)
         self.enter_phase("text encode")
         encoder = self.component("text_encoder")
-        tokens = len(encoder.tokenizer.tokenize(prompt))
+        tokens = len(encoder.tokenizer.tokenize(request.prompt))
         if tokens > MAX_PROMPT_TOKENS:
-            raise H3Error(f"the prompt is {tokens} tokens ({len(prompt)} characters); at most {MAX_PROMPT_TOKENS} are "
-                          "accepted (H3 was trained on prompts of a few hundred tokens). Shorten it.")
+            raise H3Error(f"the prompt is {tokens} tokens ({len(request.prompt)} characters); at most "
+                          f"{MAX_PROMPT_TOKENS} are accepted (H3 was trained on prompts of a few hundred tokens). "
+                          "Shorten it.")
         if references:
-            states, tags = encoder.encode_references(prompt, self._text_encoder_view(references))
+            states, tags = encoder.encode_references(request.prompt, self._text_encoder_view(references))
         else:
-            states, tags = encoder.encode(prompt, keyframes)
+            states, tags = encoder.encode(request.prompt, keyframes)
         if not self.keep_text_encoder:
             self.release("text_encoder")
         if not torch.isfinite(states).all():
             raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
                                    "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
                                    config=getattr(encoder, "config", None))
-        return Conditioning(states.detach(), tags.detach(), keyframes, anchors, references or None)
+        return Conditioning(states.detach(), tags.detach(), keyframes, request.anchors, references, request)
 
     @staticmethod
     def _text_encoder_view(references: ReferenceRequest) -> list[tuple]:
@@ -286,19 +285,28 @@ class H3Pipeline:
         return view
 
     @serialised
-    def sample(self, cond: Conditioning, shape: LatentShape, *, steps: int, seed: int,
-               video_shift: float = VIDEO_SHIFT, audio_shift: float = AUDIO_SHIFT, progress=None,
+    def sample(self, cond: Conditioning, request: GenerationRequest | None = None, /, *, progress=None,
                check_interrupt=None, chunk_size: int | None = None, memory_budget: int | None = None,
-               between_chunks: Callable[[], None] | None = None, loras=None) -> Latents:
-        """The sampling loop. `chunk_size` (packed rows per chunk), `memory_budget` (bytes one row chunk's
-        temporaries may take, when `chunk_size` is None: e.g. a request plan's `dit_chunk_budget`) and
-        `between_chunks` (run after every row chunk, e.g. a device-cache reclaim) apply to this call only; None keeps
-        the transformer's loaded setting. None of them changes the model.
+               between_chunks: Callable[[], None] | None = None, **fields) -> Latents:
+        """The sampling loop of the request `cond` was encoded for, or of `request`, or of that request with `fields`
+        changed (`num_frames`, `steps`, `seed`, `video_shift`, `audio_shift`, `loras`; e.g. H3 Sampler's widgets).
+        Its canvas must be the one keyframes were fitted to, its duration the one references were cut to.
 
-        `loras` ((file, strength), ...) becomes the transformer's LoRA set before sampling (`set_loras`, no reload;
-        `()` is the base model) and stays until another call changes it; None keeps the set the model has."""
-        steps, seed = check_steps(steps), check_seed(seed)
-        video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
+        `chunk_size` (packed rows per chunk), `memory_budget` (bytes one row chunk's temporaries may take, when
+        `chunk_size` is None: e.g. a request plan's `dit_chunk_budget`) and `between_chunks` (run after every row
+        chunk, e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting.
+        None of them changes the model. The request's `loras` becomes the transformer's LoRA set before sampling
+        (`set_loras`, no reload; `()` is the base model) and stays until another call changes it; None keeps it."""
+        if request is None:
+            if cond.request is None:
+                raise H3Error("this conditioning carries no request: give the request to sample.")
+            request = cond.request.replace(**fields) if fields else cond.request
+        elif fields:
+            request = GenerationRequest.of(request, fields)
+        self._check_sampled_as_encoded(cond, request)
+        shape = request.shape
+        steps, seed, loras = request.steps, request.seed, request.loras
+        video_shift, audio_shift = request.video_shift, request.audio_shift
         schedule = Schedule.build(steps, video_shift, audio_shift)
         if cond.references:
             condition_latents, reference_audio = self.encode_reference_latents(cond)
@@ -335,6 +343,18 @@ class H3Pipeline:
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape)
+
+    def sampling_sources(self, cond: Conditioning) -> dict:
+        """The components `sample(cond)` loads, by name, with their files (what a host application makes room for):
+        the transformer, the video VAE that encodes keyframes and image / video references, the audio VAE that
+        encodes reference audio."""
+        sources = {"transformer": self.sources.transformer}
+        refs = cond.references.references if cond.references else ()
+        if cond.keyframes or any(ref.kind != "audio" for ref in refs):
+            sources["video_vae"] = self.sources.video_vae
+        if any(ref.has_audio for ref in refs):
+            sources["audio_vae"] = self.sources.audio_vae
+        return sources
 
     @serialised
     def encode_keyframes(self, cond: Conditioning) -> list[torch.Tensor]:
@@ -421,6 +441,22 @@ class H3Pipeline:
             overrides["between_chunks"] = between_chunks
         return dataclasses.replace(dit.chunking, **overrides)  # validated again by ChunkingPolicy
 
+    @staticmethod
+    def _check_sampled_as_encoded(cond: Conditioning, request: GenerationRequest) -> None:
+        """Keyframes were fitted to the encoded canvas and references cut to the encoded duration: a sample of
+        another canvas or duration would misplace them."""
+        encoded = cond.request
+        if encoded is None:
+            return
+        n = request.names
+        if cond.keyframes and (request.width, request.height) != (encoded.width, encoded.height):
+            raise H3Error(f"{n.width} / {n.height} {request.width}x{request.height}: the keyframes were fitted to "
+                          f"{encoded.width}x{encoded.height} when the prompt was encoded; sample at that canvas, or "
+                          "encode again at this one.")
+        if cond.references and request.num_frames != encoded.num_frames:
+            raise H3Error(f"{n.num_frames} {request.num_frames}: the references were cut to {encoded.num_frames} "
+                          "frames when the prompt was encoded; sample that many, or encode again with this duration.")
+
     def check_ref2va_transformer(self) -> None:
         """References need the Ref2VA transformer; the FL2VA one would ignore what they mean."""
         if transformer_partition(self.sources.transformer) == "fl2va":
@@ -456,47 +492,20 @@ class H3Pipeline:
         return self.decode_video(latents), self.decode_audio(latents)
 
     @serialised
-    def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
-                 first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
-                 audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None,
-                 loras=None, reference_images=None, reference_videos=None, reference_audios=None,
-                 reference_image_size: str = "reference",
-                 references: ReferenceRequest | None = None) -> GenerationResult:
-        """Text encode, sample and decode one request. Every argument is checked before any component loads (the
-        large-request preflight of the CLI, `request_checks.estimate_request`, is left to the caller).
-
-        Ref2VA (with the Ref2VA transformer, `partition="ref2va"`): `reference_images` (at most 9: PIL images,
-        [H, W, 3] tensors in [0, 1], paths), `reference_videos` (at most 3: `(frames, waveform | None)`, frames
-        [F, H, W, 3] at 24 fps, optionally followed by their fps and the waveform's sample rate), and
-        `reference_audios` (at most 3: a waveform [C, N] at 32 kHz, or `(waveform, sample_rate)`; another rate is
-        resampled). Request order: images, then videos, then audios. `reference_image_size`: "reference" (2048-px
-        short edge, as diffusers), "max" (down to it, never up) or "match" (down to the video's area).
-        `references`: the same, already normalised (`references.build_references`), instead of the three lists."""
-        check_canvas_limit(width, height)
-        shape = LatentShape.for_request(width, height, num_frames)
-        check_prompt(prompt)
-        check_steps(steps)
-        check_seed(seed)
-        check_shift(video_shift, "video_shift")
-        check_shift(audio_shift, "audio_shift")
-        if references is not None and (reference_images or reference_videos or reference_audios):
-            raise H3Error("give references or reference_images / reference_videos / reference_audios, not both.")
-        if references:
-            self.check_ref2va_transformer()
-        elif reference_images or reference_videos or reference_audios:
-            references = build_references(reference_images, reference_videos, reference_audios,
-                                          num_frames=num_frames, width=width, height=height,
-                                          reference_image_size=reference_image_size,
-                                          canvas_rules=canvas_rules(self.sources))
-            self.check_ref2va_transformer()
+    def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
+                 **fields) -> GenerationResult:
+        """Text encode, sample and decode one request: a `GenerationRequest`, or a prompt and the request's fields as
+        keywords (`width`, `height`, `num_frames`, `steps`, `seed`, `first_frame`, `reference_images`, ...: see
+        `GenerationRequest`). The request is checked before any component loads (the CLI's large-request preflight,
+        `planning.request_estimate.estimate_request`, is left to the caller). References need the Ref2VA
+        transformer (`partition="ref2va"`)."""
+        request = GenerationRequest.of(request, fields)
         timings = {}
         started = time.perf_counter()
-        cond = self.encode_prompt(prompt, width=width, height=height, first_frame=first_frame,
-                                  last_frame=last_frame, references=references)
+        cond = self.encode_prompt(request)
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
-        latents = self.sample(cond, shape, steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                              progress=progress, check_interrupt=check_interrupt, loras=loras)
+        latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
         frames, waveform = self.decode(latents)

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import H3Error, RemoteError
-from ..request.generation_request import (AUDIO_SHIFT, VIDEO_SHIFT, check_canvas_limit, check_prompt, check_seed,
-                                          check_shift, check_steps)
+from ..request.generation_request import GenerationRequest
 from ..request.generation_result import GenerationResult
-from ..request.grid import AUDIO_SAMPLE_RATE, FPS, LatentShape, audio_samples_for_frames
+from ..request.grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
 from ..request.keyframes import prepare_keyframes
 from ..request.media_files import read_mp4
 from . import protocol
@@ -122,32 +121,31 @@ class RemoteEngine:
 
     # -- one request -----------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str, *, width: int, height: int, num_frames: int, steps: int, seed: int,
-                 first_frame=None, last_frame=None, video_shift: float = VIDEO_SHIFT,
-                 audio_shift: float = AUDIO_SHIFT, progress=None, check_interrupt=None, loras=None,
-                 on_status: Callable[[str], None] | None = None) -> GenerationResult:
-        """As `H3Pipeline.generate`; `progress(done, 100)` follows the server's percent, `check_interrupt()` is called
-        while waiting (whatever it raises cancels the job on the server and propagates), `on_status(text)` hears the
-        job's status when it changes."""
-        check_canvas_limit(width, height)
-        LatentShape.for_request(width, height, num_frames)
-        check_prompt(prompt)
-        steps, seed = check_steps(steps), check_seed(seed)
-        video_shift, audio_shift = check_shift(video_shift, "video_shift"), check_shift(audio_shift, "audio_shift")
-        if loras:
-            raise H3Error("loras: a remote server applies its own LoRAs (sglang serve --lora-path, or its "
-                          "/v1/set_lora endpoint); LoRA files on this machine are not sent. Remove them, or run "
-                          "locally.")
-        anchors = [(a, image) for a, image in (("first", first_frame), ("last", last_frame)) if image is not None]
-        fitted = prepare_keyframes([image for _, image in anchors], width, height)
-        keyframes = {anchor: _png_data_uri(image) for (anchor, _), image in zip(anchors, fitted)}
+    def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
+                 on_status: Callable[[str], None] | None = None, **fields) -> GenerationResult:
+        """As `H3Pipeline.generate` (a `GenerationRequest`, or a prompt and its fields as keywords);
+        `progress(done, 100)` follows the server's percent, `check_interrupt()` is called while waiting (whatever it
+        raises cancels the job on the server and propagates), `on_status(text)` hears the job's status when it
+        changes."""
+        request = GenerationRequest.of(request, fields)
+        if request.loras:
+            raise H3Error(f"{request.names.loras}: a remote server applies its own LoRAs (sglang serve --lora-path, "
+                          "or its /v1/set_lora endpoint); LoRA files on this machine are not sent. Remove them, or "
+                          "run locally.")
+        if request.has_references:
+            raise H3Error(f"{' / '.join(request.names.references)}: the remote engine does not send references yet; "
+                          "run Ref2VA locally.")
+        width, height, num_frames = request.width, request.height, request.num_frames
+        fitted = prepare_keyframes(request.keyframe_images, width, height)
+        keyframes = {anchor: _png_data_uri(image) for anchor, image in zip(request.anchors, fitted)}
         self._check_interrupt = check_interrupt
         try:
             self._check()
             self.check_servable(keyframes=bool(keyframes))
-            body = protocol.create_video_body(prompt=prompt, width=width, height=height, num_frames=num_frames,
-                                              fps=FPS, steps=steps, seed=seed, video_shift=video_shift,
-                                              audio_shift=audio_shift, keyframes=keyframes)
+            body = protocol.create_video_body(prompt=request.prompt, width=width, height=height,
+                                              num_frames=num_frames, fps=FPS, steps=request.steps, seed=request.seed,
+                                              video_shift=request.video_shift, audio_shift=request.audio_shift,
+                                              keyframes=keyframes)
             return self._run_job(body, width, height, num_frames, progress, on_status or (lambda text: None))
         finally:
             self._check_interrupt = None

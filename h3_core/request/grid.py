@@ -4,33 +4,24 @@ multiples of 32 pixels, and the latent shape that follows from them."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from ..errors import H3Error
 
 FPS = 24
-
-
 AUDIO_SAMPLE_RATE = 32000
-
-
 AUDIO_LATENTS_PER_SECOND = 40
-
-
 AUDIO_CHANNELS = 2
-
-
 # The video VAE maps 17 pixel frames to 5 latent frames (the first 5 pixel frames to 2): frame counts are 17n + 5.
 FRAMES_PER_CHUNK = 17
-
-
 LATENTS_PER_CHUNK = 5
-
-
 SPATIAL_COMPRESSION = 16
-
-
 CANVAS_MULTIPLE = 32
+# The largest canvas side accepted anywhere (the CLI's --size, the nodes' width / height widgets).
+MAX_CANVAS = 4096
+# The longest generation H3 makes in one window (the CLI's --seconds, the nodes' seconds / frames): 15 s.
+MAX_SECONDS = 15.0
 
 
 def align_num_frames(num_frames: int) -> int:
@@ -48,8 +39,24 @@ def frames_for_seconds(seconds: float) -> int:
     return align_num_frames(max(1, round(seconds * FPS)))
 
 
+MAX_FRAMES = frames_for_seconds(MAX_SECONDS)  # 362
+
+
 def is_aligned_num_frames(num_frames: int) -> bool:
     return num_frames >= LATENTS_PER_CHUNK and num_frames % FRAMES_PER_CHUNK == LATENTS_PER_CHUNK
+
+
+def frame_count_problem(num_frames) -> str | None:
+    """Why `num_frames` cannot be a generation's frame count (None: it can): a whole number on the 17n + 5 grid, at
+    most `MAX_FRAMES`. The one frame-grid rule; every surface words its message around it."""
+    if isinstance(num_frames, bool) or not isinstance(num_frames, numbers.Integral):
+        return "is not a whole number of frames"
+    if num_frames > MAX_FRAMES:
+        return f"is {num_frames / FPS:.1f} s of video; H3 generates at most {MAX_SECONDS:g} s ({MAX_FRAMES} frames)"
+    if not is_aligned_num_frames(num_frames):
+        return (f"is off the 17n + 5 frame grid the video VAE needs (5, 22, 39, ...); use "
+                f"{align_num_frames(max(1, num_frames))}")
+    return None
 
 
 def video_latent_frames(num_frames: int) -> int:
@@ -67,14 +74,24 @@ def audio_latent_frames(num_frames: int) -> int:
     return int(round(num_frames / FPS * AUDIO_LATENTS_PER_SECOND))
 
 
-def check_canvas(width: int, height: int) -> None:
-    for name, value in (("width", width), ("height", height)):
-        if int(value) < CANVAS_MULTIPLE or int(value) % CANVAS_MULTIPLE:
-            lower = max(CANVAS_MULTIPLE, int(value) // CANVAS_MULTIPLE * CANVAS_MULTIPLE)
-            raise H3Error(
-                f"{name} must be a positive multiple of {CANVAS_MULTIPLE} pixels, got {value}; use {lower} or "
-                f"{lower + CANVAS_MULTIPLE}."
-            )
+def canvas_problem(value) -> str | None:
+    """Why `value` cannot be a canvas side (None: it can): a whole number of pixels, a positive multiple of 32, at
+    most `MAX_CANVAS`. The one canvas rule; every surface words its message around it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return "is not a whole number of pixels"
+    if value < CANVAS_MULTIPLE or value % CANVAS_MULTIPLE:
+        lower = max(CANVAS_MULTIPLE, int(value) // CANVAS_MULTIPLE * CANVAS_MULTIPLE)
+        return f"is not a positive multiple of {CANVAS_MULTIPLE} pixels; use {lower} or {lower + CANVAS_MULTIPLE}"
+    if value > MAX_CANVAS:
+        return f"is past the {MAX_CANVAS}-pixel limit (H3 was trained at 1344x768)"
+    return None
+
+
+def check_canvas(width: int, height: int, names: tuple[str, str] = ("width", "height")) -> None:
+    for name, value in zip(names, (width, height)):
+        problem = canvas_problem(value)
+        if problem:
+            raise H3Error(f"{name} {value!r} {problem}.")
 
 
 @dataclass(frozen=True)

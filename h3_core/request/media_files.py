@@ -10,7 +10,6 @@ write to the same path.
 from __future__ import annotations
 
 import errno
-import math
 import os
 import shutil
 import tempfile
