@@ -15,9 +15,9 @@ from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_loader import H3StreamModelLoader
 from .model_sources import register_h3_folder
-from .references import H3StreamReferences
-from .sampler import H3StreamSampler
-from .text_encode import H3StreamTextEncode
+from .references import H3StreamReferenceMedia, H3StreamReferences
+from .sampler import H3StreamAVSampler, H3StreamSampler
+from .text_encode import H3StreamEncodePrompt, H3StreamTextEncode
 from .unload import H3StreamUnload
 
 # Node ids are stable: never rename one (saved workflows refer to it); append inputs only.
@@ -35,6 +35,9 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamModelLoader,
     H3StreamGenerateRemote,
     H3StreamReferences,
+    H3StreamEncodePrompt,
+    H3StreamAVSampler,
+    H3StreamReferenceMedia,
 )
 
 

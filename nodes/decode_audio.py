@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import comfy_runtime
 from .sockets import H3Latent, H3Model
-from .telemetry import memory_report
+from .telemetry import phase
 
 
 class H3StreamDecodeAudio(io.ComfyNode):
@@ -28,9 +27,6 @@ class H3StreamDecodeAudio(io.ComfyNode):
         from h3_core.request.grid import AUDIO_SAMPLE_RATE
 
         pipeline = h3_model.pipeline
-        comfy_runtime.free_memory_for({"audio_vae": pipeline.sources.audio_vae}, h3_model.settings, pipeline.device)
-        with memory_report(cls.hidden.unique_id, h3_model, "audio decode"):
-            comfy_runtime.check_interrupt()
+        with phase(cls.hidden.unique_id, h3_model, "audio decode", {"audio_vae": pipeline.sources.audio_vae}):
             waveform = pipeline.decode_audio(h3_latent)
-        comfy_runtime.soft_empty_cache()
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

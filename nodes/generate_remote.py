@@ -6,10 +6,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .request_inputs import canvas_error, canvas_inputs, frame_count_error, sampler_inputs, shift_error
-
-# The local sampler's widgets that mean something to a server (chunk_size is this machine's memory setting).
-REMOTE_SAMPLER_INPUTS = ("seconds", "frames", "steps", "seed", "video_shift", "audio_shift")
+from .request_inputs import canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames, sampler_inputs
 
 
 class H3StreamGenerateRemote(io.ComfyNode):
@@ -32,7 +29,9 @@ class H3StreamGenerateRemote(io.ComfyNode):
                 io.String.Input("prompt", multiline=True, default="",
                                 tooltip="Shots, camera and the sound (dialogue, effects, music) in one text."),
                 *canvas_inputs(),
-                *[widget for widget in sampler_inputs() if widget.id in REMOTE_SAMPLER_INPUTS],
+                *duration_inputs(),
+                # chunk_size is this machine's memory setting: a server has its own
+                *[widget for widget in sampler_inputs() if widget.id != "chunk_size"],
                 io.Image.Input("first_frame", optional=True, tooltip="FL2VA: the video starts on this image."),
                 io.Image.Input("last_frame", optional=True, tooltip="FL2VA: the video ends on this image."),
             ],
@@ -42,21 +41,22 @@ class H3StreamGenerateRemote(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width, height, frames) -> bool | str:
-        return canvas_error(width, height) or frame_count_error(None, frames) or True
+    def validate_inputs(cls, frames) -> bool | str:
+        # One input only (ComfyUI reports a failed check under every input the check takes); the canvas and the
+        # rest are the request's rules, checked when the node runs.
+        return frame_count_error(frames) or True
 
     @classmethod
     def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 first_frame=None, last_frame=None) -> io.NodeOutput:
-        from h3_core.errors import H3Error
         from h3_core.remote import RemoteEngine
         from h3_core.remote.videos_client import check_server_url
-        from h3_core.request.grid import AUDIO_SAMPLE_RATE, frames_for_seconds
+        from h3_core.request.generation_request import GenerationRequest
+        from h3_core.request.grid import AUDIO_SAMPLE_RATE
 
-        error = (canvas_error(width, height) or frame_count_error(seconds, frames)
-                 or shift_error(video_shift=video_shift, audio_shift=audio_shift))
-        if error:
-            raise H3Error(error)
+        request = GenerationRequest(prompt=prompt, width=width, height=height, num_frames=num_frames(seconds, frames),
+                                    steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
+                                    first_frame=first_frame, last_frame=last_frame, names=names_for(frames))
         url = check_server_url(server_url, "server_url")
         node_id = cls.hidden.unique_id
         engine = RemoteEngine(url, partition="fl2va",
@@ -64,11 +64,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
         comfy_runtime.check_interrupt()
         comfy_runtime.send_progress_text(node_id, f"{url}: {engine.describe_server()}")
         bar = comfy_runtime.progress_bar(100, node_id=node_id)
-        result = engine.generate(prompt, width=width, height=height,
-                                 num_frames=frames if frames > 0 else frames_for_seconds(seconds), steps=steps,
-                                 seed=seed, first_frame=first_frame, last_frame=last_frame, video_shift=video_shift,
-                                 audio_shift=audio_shift,
-                                 progress=lambda done, total: bar.update_absolute(done, total),
+        result = engine.generate(request, progress=lambda done, total: bar.update_absolute(done, total),
                                  check_interrupt=comfy_runtime.check_interrupt,
                                  on_status=lambda text: comfy_runtime.send_progress_text(node_id, f"remote job {text}"))
         return io.NodeOutput(result.frames, {"waveform": result.waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},

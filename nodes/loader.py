@@ -71,15 +71,6 @@ class H3StreamLoader(io.ComfyNode):
                                                 diffusion_model=diffusion_model, text_encoder=text_encoder,
                                                 video_vae=video_vae, audio_vae=audio_vae, repo_id=repo_id,
                                                 node_id=cls.hidden.unique_id)
-        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {source}"))
+        return io.NodeOutput(H3ModelHandle.open(sources, settings, torch_device, f"H3 {partition} from {source}",
+                                                log.info))
 
-
-def open_model(sources, settings: MemorySettings, device, what: str) -> H3ModelHandle:
-    """The handle both loaders output: a pipeline built with the settings (it loads nothing yet)."""
-    from h3_core.pipeline import H3Pipeline
-
-    pipeline = H3Pipeline(sources, device=device, dtype=settings.torch_dtype,
-                          component_options=settings.component_options(), **settings.keep_options(), log=log.info)
-    described = f"{what}: {settings.describe()}"
-    log.info(described)
-    return H3ModelHandle(pipeline, settings, described)

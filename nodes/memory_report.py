@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from comfy_api.latest import io, ui
 
-from .sockets import H3Model
+from .sockets import H3Model, RunsEveryTime, after_input
 from .telemetry import DevicePeak, gib, host_peak_bytes
 
 
-class H3StreamMemoryReport(io.ComfyNode):
+class H3StreamMemoryReport(RunsEveryTime, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -18,15 +18,11 @@ class H3StreamMemoryReport(io.ComfyNode):
             description="Reports the model's memory settings, the device memory in use now (CUDA: allocated; MPS: "
                         "held by the Metal driver) and the process's peak host memory (RSS).",
             inputs=[H3Model.Input("h3_model"),
-                    io.AnyType.Input("after", optional=True, tooltip="Any output that must exist before reporting.")],
+                    after_input("reporting")],
             outputs=[io.String.Output(display_name="report")],
             is_output_node=True,
             not_idempotent=True,
         )
-
-    @classmethod
-    def fingerprint_inputs(cls, **inputs):
-        return float("nan")  # never equal to the last run's: runs every time it is queued
 
     @classmethod
     def execute(cls, h3_model, after=None) -> io.NodeOutput:

@@ -59,9 +59,40 @@ class MemorySettings:
     def from_plan(cls, plan, *, profile: str, dtype: str, device: str) -> "MemorySettings":
         """A memory profile's settings: each component's residency from its residency plan (prefetch the device's
         default, no resident blocks: the plan counts none); the budget goes to H3 Sampler's request plans."""
-        chosen = {c.name: (LAYERWISE_OFFLOAD if c.residency == settings.LAYERWISE else RESIDENT) for c in plan.components}
+        chosen = {c.name: (LAYERWISE_OFFLOAD if c.residency == settings.LAYERWISE else RESIDENT)
+                  for c in plan.components}
         return cls.build(**chosen, dtype=dtype, device=device, profile=profile,
                          profile_budget_bytes=plan.budget_bytes)
+
+    @classmethod
+    def from_profile_widgets(cls, memory_profile: dict, sources, *, dtype: str, device, free_bytes):
+        """Load H3's `memory_profile` dynamic combo -> (settings, the preflight shown on the node, the plan's details
+        for the log): a named profile planned from the checkpoint headers (`auto` within what `free_bytes(device)`
+        reports), or every value by hand (`custom`); refused in the widgets' words where the platform's admission
+        rules refuse it."""
+        from h3_core.errors import H3Error
+        from h3_core.planning.memory_profiles import CUSTOM, profile_named, residency_plan
+
+        values = {k: v for k, v in memory_profile.items() if k != "memory_profile"}
+        name = memory_profile["memory_profile"]
+        if name == CUSTOM:
+            settings = cls.build(transformer=values.pop("transformer_residency"),
+                                 text_encoder=values.pop("text_encoder_residency"),
+                                 video_vae=values.pop("video_vae_residency"),
+                                 audio_vae=values.pop("audio_vae_residency"), dtype=dtype, device=str(device),
+                                 **values)
+            preflight, details = f"memory_profile custom: {settings.describe()}", ""
+        else:
+            profile = profile_named(name)
+            free = free_bytes(device) if profile.nominal_gib is None else None
+            planned = residency_plan(sources, profile, device=str(device), free_bytes=free,
+                                     dtype=torch_dtype(dtype))
+            settings = cls.from_plan(planned.plan, profile=name, dtype=dtype, device=str(device))
+            preflight, details = planned.describe(), planned.plan.describe()
+        refused = settings.admission_error()
+        if refused:
+            raise H3Error(f"memory_profile {name}: {refused}")
+        return settings, preflight, details
 
     def core_residencies(self) -> dict[str, str]:
         """Each component's residency in h3_core's spelling (a request plan fixes them)."""
@@ -116,6 +147,16 @@ class MemorySettings:
         if self.memory_budget_bytes is not None:
             transformer["memory_budget"] = self.memory_budget_bytes
         return {name: value for name, value in options.items() if value}
+
+    def reclaim_between_chunks(self, empty_cache):
+        """What runs after every row chunk of a sampling pass: the device cache emptied every `mps_reclaim_every`
+        chunks (synchronised first on MPS, where frees are deferred until the queued work completes), or None."""
+        if self.mps_reclaim_every <= 0:
+            return None
+        from h3_core.runtime.chunking import EveryNChunks
+        from h3_core.runtime.platform import Platform
+
+        return EveryNChunks(self.mps_reclaim_every, Platform.for_device(self.device).reclaim_action(empty_cache))
 
     def admission_plan(self) -> dict:
         """The plan `h3_core.runtime.admission.check_admission` judges: every component's residency, on the one device."""

@@ -9,10 +9,9 @@ import logging
 from comfy_api.latest import io
 
 from . import comfy_runtime, model_sources
-from .loader import open_model
 from .loader_inputs import model_loader_inputs
-from .memory_settings import MemorySettings, torch_dtype
-from .sockets import H3Model
+from .memory_settings import MemorySettings
+from .sockets import H3Model, H3ModelHandle
 
 log = logging.getLogger("h3_stream")
 
@@ -47,7 +46,7 @@ class H3StreamModelLoader(io.ComfyNode):
     def execute(cls, dtype: str, device: str, source: dict | None = None,
                 memory_profile: dict | None = None) -> io.NodeOutput:
         from h3_core.errors import H3Error
-        from h3_core.planning.memory_profiles import CUSTOM, PROFILES, profile_named, residency_plan
+        from h3_core.planning.memory_profiles import CUSTOM, PROFILES
 
         node_id = cls.hidden.unique_id
         # ComfyUI validates neither dynamic combo's own value: an unknown one (an API prompt's typo) reaches here as
@@ -57,34 +56,18 @@ class H3StreamModelLoader(io.ComfyNode):
             if given is None:
                 raise H3Error(f"{name} {cls._queued(name)!r} is not one of {list(choices)}; choose one on Load H3.")
         chosen = dict(source)
-        kind = chosen.pop("source")
-        partition = chosen.pop("partition", None) or "FL2VA"  # repack files: the transformer file decides
+        kind, partition = chosen.pop("source"), chosen.pop("partition", None) or "FL2VA"  # repack: the file decides
         torch_device = comfy_runtime.torch_device(device)
         sources = model_sources.resolve_sources(kind, partition, node_id=node_id,
                                                 **{k: v for k, v in chosen.items() if v is not None})
-        profile_name = memory_profile["memory_profile"]
-        if profile_name == CUSTOM:
-            values = {k: v for k, v in memory_profile.items() if k != "memory_profile"}
-            settings = MemorySettings.build(
-                transformer=values.pop("transformer_residency"), text_encoder=values.pop("text_encoder_residency"),
-                video_vae=values.pop("video_vae_residency"), audio_vae=values.pop("audio_vae_residency"),
-                dtype=dtype, device=str(torch_device), **values)
-            preflight = f"memory_profile custom: {settings.describe()}"
-        else:
-            profile = profile_named(profile_name)
-            free = comfy_runtime.free_bytes(torch_device) if profile.nominal_gib is None else None
-            planned = residency_plan(sources, profile, device=str(torch_device), free_bytes=free, dtype=torch_dtype(dtype))
-            settings = MemorySettings.from_plan(planned.plan, profile=profile_name, dtype=dtype,
-                                                device=str(torch_device))
-            preflight = planned.describe()
-            log.info("%s\n%s", preflight, planned.plan.describe())
-        refused = settings.admission_error()
-        if refused:
-            raise H3Error(f"memory_profile custom: {refused}")
+        settings, preflight, details = MemorySettings.from_profile_widgets(memory_profile, sources, dtype=dtype,
+                                                                           device=torch_device,
+                                                                           free_bytes=comfy_runtime.free_bytes)
+        log.info("%s\n%s", preflight, details)
         comfy_runtime.send_progress_text(node_id, preflight)
         # Also its UI output, which ComfyUI sends again while the loader is cached (has_intermediate_output).
-        return io.NodeOutput(open_model(sources, settings, torch_device, f"H3 {partition} from {kind}"),
-                             ui={"h3_stream_preflight": [preflight]})
+        handle = H3ModelHandle.open(sources, settings, torch_device, f"H3 {partition} from {kind}", log.info)
+        return io.NodeOutput(handle, ui={"h3_stream_preflight": [preflight]})
 
     @classmethod
     def _queued(cls, name: str):

@@ -1,112 +1,111 @@
-"""H3StreamSampler: the denoising loop, video and audio together, from the text encoder's states to latents."""
+"""H3 Sampler: the denoising loop, video and audio together, from the text encoder's states to latents. The canvas
+and the duration come with the conditioning (H3 Text Encode sets them); the legacy node still takes its own."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
 from . import comfy_runtime
-from .request_inputs import canvas_error, canvas_inputs, frame_count_error, sampler_inputs, shift_error
+from .request_inputs import (canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames,
+                             sampler_inputs)
 from .sockets import H3Cond, H3Latent, H3Model
-from .telemetry import memory_report
+from .telemetry import phase
+
+DESCRIPTION = ("Denoises video and stereo audio latents together with H3's flow-matching Euler sampler. Cancel "
+               "stops within one transformer block.")
 
 
-class H3StreamSampler(io.ComfyNode):
+class H3StreamAVSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id="H3StreamSampler",
+            node_id="H3StreamAVSampler",
             display_name="H3 Sampler (video + audio)",
             category="H3 Stream",
-            description="Denoises video and stereo audio latents together with H3's flow-matching Euler sampler. "
-                        "Cancel stops within one transformer block.",
-            inputs=[
-                H3Model.Input("h3_model"),
-                H3Cond.Input("h3_cond"),
-                *canvas_inputs(),
-                *sampler_inputs(),
-            ],
+            description=DESCRIPTION + " The canvas and duration are H3 Text Encode's.",
+            search_aliases=["minimax h3", "h3 ksampler", "sampler"],
+            inputs=[H3Model.Input("h3_model"), H3Cond.Input("h3_cond"), *sampler_inputs()],
             outputs=[H3Latent.Output(display_name="h3_latent")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
+    def execute(cls, h3_model, h3_cond, steps, seed, video_shift, audio_shift, chunk_size) -> io.NodeOutput:
+        request = h3_cond.request.replace(steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
+                                          loras=h3_model.loras)
+        return sample(cls.hidden.unique_id, h3_model, h3_cond, request, chunk_size)
+
+
+class H3StreamSampler(io.ComfyNode):
+    """The sampler as saved workflows have it: its own canvas and duration widgets (they must match what was
+    encoded where keyframes or references need it)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamSampler",
+            display_name="H3 Sampler (own canvas, legacy)",
+            category="H3 Stream",
+            description="Superseded by H3 Sampler (video + audio), which takes the canvas and duration from H3 Text "
+                        "Encode; kept so that saved workflows still load and run. " + DESCRIPTION,
+            inputs=[H3Model.Input("h3_model"), H3Cond.Input("h3_cond"), *canvas_inputs(), *duration_inputs(),
+                    *sampler_inputs()],
+            outputs=[H3Latent.Output(display_name="h3_latent")],
+            hidden=[io.Hidden.unique_id],
+            is_deprecated=True,  # hidden from the node search; saved workflows keep working
+        )
+
+    @classmethod
     def validate_inputs(cls, frames) -> bool | str:
-        # ComfyUI reports a failed check here under every input this takes, and skips its own range checks for them:
-        # only the frame grid (no widget limit can say it) is checked here, so a mistake is one error, on its input.
-        # The canvas is H3 Text Encode's to validate (both nodes take it); this node checks it again when it runs.
-        return frame_count_error(None, frames) or True
+        # ComfyUI reports a failed check under every input this takes: only the frame grid (no widget limit can say
+        # it) is checked here, so a mistake is one error, on its input. The rest is the request's, when it runs.
+        return frame_count_error(frames) or True
 
     @classmethod
     def execute(cls, h3_model, h3_cond, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 chunk_size) -> io.NodeOutput:
-        from h3_core.errors import H3Error
-        from h3_core.request.grid import LatentShape, frames_for_seconds
-        from h3_core.runtime.chunking import EveryNChunks
-        from h3_core.runtime.platform import Platform
-
-        error = (canvas_error(width, height) or frame_count_error(seconds, frames)
-                 or shift_error(video_shift=video_shift, audio_shift=audio_shift))
-        if error:
-            raise H3Error(error)
-        if h3_cond.has_keyframes and (h3_cond.width, h3_cond.height) != (width, height):
-            raise H3Error(f"the keyframes were fitted to {h3_cond.width}x{h3_cond.height} by H3 Text Encode but the "
-                          f"sampler makes {width}x{height}; set the same width and height on both nodes.")
-        num_frames = frames if frames > 0 else frames_for_seconds(seconds)
-        has_references = bool(getattr(h3_cond.conditioning, "references", None))
-        if has_references and h3_cond.reference_frames != num_frames:
-            raise H3Error(f"the references were cut to {h3_cond.reference_frames} frames by H3 References but the "
-                          f"sampler makes {num_frames}; set the same seconds / frames on both nodes.")
-        shape = LatentShape.for_request(width, height, num_frames)
-        pipeline, settings = h3_model.pipeline, h3_model.settings
-        sources = pipeline.sources
-        needed = {"transformer": sources.transformer}
-        if h3_cond.has_keyframes or has_references:
-            needed["video_vae"] = sources.video_vae
-        if has_references:
-            needed["audio_vae"] = sources.audio_vae
-        comfy_runtime.free_memory_for(needed, settings, pipeline.device)
-        unique_id = cls.hidden.unique_id
-        memory_budget = None
-        if settings.profile_budget_bytes is not None and chunk_size == 0:
-            memory_budget = request_chunk_budget(h3_model, shape, keyframes=h3_cond.has_keyframes, steps=steps,
-                                                 node_id=unique_id)
-        # Synchronised first: MPS frees are deferred until the queued work completes.
-        reclaim = (EveryNChunks(settings.mps_reclaim_every,
-                                Platform.for_device(pipeline.device).reclaim_action(comfy_runtime.soft_empty_cache))
-                   if settings.mps_reclaim_every > 0 else None)
-        with memory_report(unique_id, h3_model, "sampling", blocks_of="transformer"):
-            comfy_runtime.check_interrupt()
-            bar = comfy_runtime.progress_bar(max(1, steps - 1), node_id=unique_id)
-            latents = pipeline.sample(h3_cond.conditioning, shape, steps=steps, seed=seed, video_shift=video_shift,
-                                      audio_shift=audio_shift,
-                                      progress=lambda step, total: bar.update_absolute(step, total),
-                                      check_interrupt=comfy_runtime.check_interrupt,
-                                      chunk_size=chunk_size if chunk_size > 0 else None,
-                                      memory_budget=memory_budget, between_chunks=reclaim,
-                                      loras=h3_model.loras)
-        comfy_runtime.soft_empty_cache()
-        return io.NodeOutput(latents)
+        request = h3_cond.request.replace(width=width, height=height, num_frames=num_frames(seconds, frames),
+                                          steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
+                                          loras=h3_model.loras, names=names_for(frames))
+        return sample(cls.hidden.unique_id, h3_model, h3_cond, request, chunk_size)
 
 
-def request_chunk_budget(h3_model, shape, *, keyframes: bool, steps: int, node_id) -> int | None:
+def sample(node_id, h3_model, cond, request, chunk_size) -> io.NodeOutput:
+    """Both samplers: make room, plan the request within the loader's memory profile, sample with progress."""
+    pipeline, settings = h3_model.pipeline, h3_model.settings
+    memory_budget = None
+    if settings.profile_budget_bytes is not None and chunk_size == 0:
+        memory_budget = request_chunk_budget(h3_model, cond, request, node_id=node_id)
+    with phase(node_id, h3_model, "sampling", pipeline.sampling_sources(cond), blocks_of="transformer"):
+        bar = comfy_runtime.progress_bar(max(1, request.steps - 1), node_id=node_id)
+        latents = pipeline.sample(cond, request, progress=lambda step, total: bar.update_absolute(step, total),
+                                  check_interrupt=comfy_runtime.check_interrupt,
+                                  chunk_size=chunk_size if chunk_size > 0 else None, memory_budget=memory_budget,
+                                  between_chunks=settings.reclaim_between_chunks(comfy_runtime.soft_empty_cache))
+    return io.NodeOutput(latents)
+
+
+def request_chunk_budget(h3_model, cond, request, *, node_id) -> int | None:
     """The loader's memory profile, planned for this request before the transformer loads: the bytes one row
-    chunk's temporaries may take (None: fused), or one error in this node's words when the request does not fit."""
+    chunk's temporaries may take (None: fused), or one error in the nodes' words when the request does not fit."""
     from h3_core.errors import H3Error
-    from h3_core.planning.memory_plan import MemoryBudgetError
     from h3_core.planning.memory_profiles import request_plan
+    from h3_core.planning.memory_plan import MemoryBudgetError
 
     settings, pipeline = h3_model.settings, h3_model.pipeline
     resident = tuple(name for name, _ in settings.residency if settings.keeps(name))
     try:
         plan = request_plan(pipeline.sources, budget_bytes=settings.profile_budget_bytes, device=settings.device,
-                            residencies=settings.core_residencies(), width=shape.width, height=shape.height,
-                            num_frames=shape.num_frames, keyframes=keyframes, steps=steps,
-                            dtype=settings.torch_dtype, loras=h3_model.loras, keep=resident)
+                            residencies=settings.core_residencies(), width=request.width, height=request.height,
+                            num_frames=request.num_frames, keyframes=bool(cond.keyframes), steps=request.steps,
+                            dtype=settings.torch_dtype, loras=h3_model.loras, keep=resident,
+                            references=cond.references)
     except MemoryBudgetError as error:
         why = error.args[0].splitlines()[0].rstrip(".")
-        raise H3Error(f"width {shape.width}, height {shape.height}, {shape.num_frames} frames do not fit the "
-                      f"loader's memory_profile {settings.profile!r}: {why}. Set a smaller width / height / seconds, "
-                      "or a larger memory_profile on the loader.") from None
+        n = request.names
+        raise H3Error(f"{n.width} {request.width}, {n.height} {request.height}, {request.num_frames} frames do not "
+                      f"fit the loader's memory_profile {settings.profile!r}: {why}. Set a smaller width / height / "
+                      "seconds, or a larger memory_profile on the loader.") from None
     chunks = ("fused" if plan.dit_chunk_budget is None else
               f"row chunks of {plan.dit_chunk_budget / 2**20:.0f} MiB temporaries")
     comfy_runtime.send_progress_text(node_id, f"memory_profile {settings.profile}: this request needs about "

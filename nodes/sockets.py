@@ -13,9 +13,22 @@ from comfy_api.latest import io
 from .memory_settings import MemorySettings
 
 H3Model = io.Custom("H3_MODEL")
-H3Cond = io.Custom("H3_COND")
+H3Cond = io.Custom("H3_COND")  # h3_core.pipeline.Conditioning: the states, and the request they were encoded for
 H3Latent = io.Custom("H3_LATENT")
 H3Refs = io.Custom("H3_REFS")
+
+
+def after_input(what: str):
+    """The `after` socket of a node that must run last: any output, only for the order of execution."""
+    return io.AnyType.Input("after", optional=True, tooltip=f"Any output that must exist before {what}.")
+
+
+class RunsEveryTime:
+    """For output nodes that act on the world (a report, an unload): queued again, they run again."""
+
+    @classmethod
+    def fingerprint_inputs(cls, **inputs):
+        return float("nan")  # never equal to the last run's
 
 
 @dataclass(frozen=True)
@@ -29,16 +42,13 @@ class H3ModelHandle:
     description: str
     loras: tuple = ()
 
+    @classmethod
+    def open(cls, sources, settings: MemorySettings, device, what: str, log) -> "H3ModelHandle":
+        """The handle both loaders output: a pipeline built with the settings (it loads nothing yet)."""
+        from h3_core.pipeline import H3Pipeline
 
-@dataclass(frozen=True)
-class H3Conditioning:
-    """What `H3_COND` carries: the text encoder's output for one prompt and the canvas its keyframes were fitted to."""
-
-    conditioning: object  # h3_core.pipeline.Conditioning
-    width: int
-    height: int
-    reference_frames: int = 0  # the frame count Ref2VA references were cut to (0: none)
-
-    @property
-    def has_keyframes(self) -> bool:
-        return bool(self.conditioning.keyframes)
+        pipeline = H3Pipeline(sources, device=device, dtype=settings.torch_dtype,
+                              component_options=settings.component_options(), **settings.keep_options(), log=log)
+        described = f"{what}: {settings.describe()}"
+        log(described)
+        return cls(pipeline, settings, described)

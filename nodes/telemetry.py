@@ -61,6 +61,19 @@ def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
     comfy_runtime.send_memory_report(node_id, report, summary(report))
 
 
+@contextlib.contextmanager
+def phase(node_id, handle, name: str, needs: dict, *, blocks_of: str | None = None):
+    """One pipeline phase as a node runs it: room made in ComfyUI's model management for the components it loads
+    (`needs`: name -> files), a cancel seen before it starts, its memory report sent when it ends, the device cache
+    emptied after it."""
+    pipeline = handle.pipeline
+    comfy_runtime.free_memory_for(needs, handle.settings, pipeline.device)
+    with memory_report(node_id, handle, name, blocks_of=blocks_of):
+        comfy_runtime.check_interrupt()
+        yield
+    comfy_runtime.soft_empty_cache()
+
+
 def summary(report: dict) -> str:
     """One line for the node's progress text: shown under the node by every frontend renderer."""
     parts = [f"device peak {gib(report['peak_device_bytes'])}", f"host peak {gib(report['peak_host_bytes'])}"]

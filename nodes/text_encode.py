@@ -1,64 +1,97 @@
-"""H3StreamTextEncode: prompt (+ first / last keyframe) -> the text encoder's states."""
+"""H3 Text Encode: prompt (+ first / last keyframes, or references) -> the text encoder's states, for the request's
+canvas and duration set here (H3 Sampler makes what was encoded). The legacy node has no duration of its own."""
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import comfy_runtime
-from .request_inputs import canvas_error, canvas_inputs
-from .sockets import H3Cond, H3Conditioning, H3Model, H3Refs
-from .telemetry import memory_report
+from .request_inputs import canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames
+from .sockets import H3Cond, H3Model, H3Refs
+from .telemetry import phase
+
+DESCRIPTION = ("Encodes the prompt (and the optional first / last keyframes, FL2VA; or references, Ref2VA) with H3's "
+               "Qwen3-VL text encoder. An offloaded text encoder is released right after, before the transformer "
+               "loads.")
 
 
-class H3StreamTextEncode(io.ComfyNode):
+def _inputs(*request_widgets) -> list:
+    return [
+        H3Model.Input("h3_model"),
+        io.String.Input("prompt", multiline=True, default="",
+                        tooltip="Shots, camera and the sound (dialogue, effects, music) in one text."),
+        io.Image.Input("first_frame", optional=True, tooltip="FL2VA: the video starts on this image."),
+        io.Image.Input("last_frame", optional=True, tooltip="FL2VA: the video ends on this image."),
+        *request_widgets,
+        H3Refs.Input("h3_refs", optional=True,
+                     tooltip="Ref2VA: references from H3 References (needs the Ref2VA transformer)."),
+    ]
+
+
+class H3StreamEncodePrompt(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
-            node_id="H3StreamTextEncode",
+            node_id="H3StreamEncodePrompt",
             display_name="H3 Text Encode",
             category="H3 Stream",
-            description="Encodes the prompt (and the optional first / last keyframes, FL2VA) with H3's Qwen3-VL text "
-                        "encoder. An offloaded text encoder is released right after, before the transformer loads (every "
-                        "offloaded component is released when a phase that does not run it starts).",
-            inputs=[
-                H3Model.Input("h3_model"),
-                io.String.Input("prompt", multiline=True, default="",
-                                tooltip="Shots, camera and the sound (dialogue, effects, music) in one text."),
-                io.Image.Input("first_frame", optional=True, tooltip="FL2VA: the video starts on this image."),
-                io.Image.Input("last_frame", optional=True, tooltip="FL2VA: the video ends on this image."),
-                *canvas_inputs(),
-                H3Refs.Input("h3_refs", optional=True,
-                             tooltip="Ref2VA: references from H3 References (needs the Ref2VA transformer)."),
-            ],
+            description=DESCRIPTION + " The canvas and the duration are set here, once: H3 Sampler makes them.",
+            search_aliases=["minimax h3", "h3 prompt", "clip text encode"],
+            inputs=_inputs(*canvas_inputs(), *duration_inputs()),
             outputs=[H3Cond.Output(display_name="h3_cond")],
             hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
-    def validate_inputs(cls, width, height) -> bool | str:
-        return canvas_error(width, height) or True
+    def validate_inputs(cls, frames) -> bool | str:
+        # One input only: ComfyUI reports a failed check under every input the check takes. The canvas is the
+        # request's rule, checked when the node runs, before anything loads.
+        return frame_count_error(frames) or True
+
+    @classmethod
+    def execute(cls, h3_model, prompt, width, height, seconds, frames, first_frame=None, last_frame=None,
+                h3_refs=None) -> io.NodeOutput:
+        count = num_frames(seconds, frames)
+        return encode(cls.hidden.unique_id, h3_model, prompt=prompt, width=width, height=height, num_frames=count,
+                      first_frame=first_frame, last_frame=last_frame,
+                      **(h3_refs.request_fields(count) if h3_refs is not None else {}), names=names_for(frames))
+
+
+class H3StreamTextEncode(io.ComfyNode):
+    """The text encoder as saved workflows have it: the canvas here, the duration on the legacy sampler (and, for
+    references, on the legacy H3 References)."""
+
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="H3StreamTextEncode",
+            display_name="H3 Text Encode (no duration, legacy)",
+            category="H3 Stream",
+            description="Superseded by H3 Text Encode, which also sets the duration; kept so that saved workflows "
+                        "still load and run. " + DESCRIPTION,
+            inputs=_inputs(*canvas_inputs()),
+            outputs=[H3Cond.Output(display_name="h3_cond")],
+            hidden=[io.Hidden.unique_id],
+            is_deprecated=True,
+        )
 
     @classmethod
     def execute(cls, h3_model, prompt, width, height, first_frame=None, last_frame=None,
                 h3_refs=None) -> io.NodeOutput:
-        pipeline = h3_model.pipeline
-        references = None
-        if h3_refs is not None:
-            from h3_core.request.references import build_references
-            from h3_core.sources.model_sources import canvas_rules
+        from h3_core.request.generation_request import DEFAULT_FRAMES
 
-            pipeline.check_ref2va_transformer()
-            references = build_references(h3_refs.images, h3_refs.videos, h3_refs.audios,
-                                          num_frames=h3_refs.num_frames, width=width, height=height,
-                                          reference_image_size=h3_refs.image_size,
-                                          names=("ref_image", "ref_video", "ref_audio"),
-                                          labels=dict(h3_refs.labels), canvas_rules=canvas_rules(pipeline.sources))
-        comfy_runtime.free_memory_for({"text_encoder": pipeline.sources.text_encoder}, h3_model.settings,
-                                      pipeline.device)
-        with memory_report(cls.hidden.unique_id, h3_model, "text encoder"):
-            comfy_runtime.check_interrupt()
-            conditioning = pipeline.encode_prompt(prompt, width=width, height=height, first_frame=first_frame,
-                                                  last_frame=last_frame, references=references)
-        comfy_runtime.soft_empty_cache()
-        return io.NodeOutput(H3Conditioning(conditioning, int(width), int(height),
-                                            h3_refs.num_frames if h3_refs is not None else 0))
+        # The legacy sampler sets the duration; references are cut to the legacy H3 References' own.
+        count = h3_refs.num_frames if h3_refs is not None and h3_refs.num_frames else DEFAULT_FRAMES
+        return encode(cls.hidden.unique_id, h3_model, prompt=prompt, width=width, height=height, num_frames=count,
+                      first_frame=first_frame, last_frame=last_frame,
+                      **(h3_refs.request_fields(count) if h3_refs is not None else {}), names=names_for(0))
+
+
+def encode(node_id, h3_model, **request) -> io.NodeOutput:
+    """Both encoders: the request, checked in the widgets' words, then the text-encode phase with its report."""
+    from h3_core.request.generation_request import GenerationRequest
+
+    request = GenerationRequest(**request)
+    pipeline = h3_model.pipeline
+    with phase(node_id, h3_model, "text encoder", {"text_encoder": pipeline.sources.text_encoder}):
+        conditioning = pipeline.encode_prompt(request)
+    return io.NodeOutput(conditioning)

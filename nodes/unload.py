@@ -5,10 +5,10 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from . import comfy_runtime
-from .sockets import H3Model
+from .sockets import H3Model, RunsEveryTime, after_input
 
 
-class H3StreamUnload(io.ComfyNode):
+class H3StreamUnload(RunsEveryTime, io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
@@ -18,15 +18,11 @@ class H3StreamUnload(io.ComfyNode):
             description="Releases the H3 components this model has loaded (device copies, host stores and memory "
                         "maps) and empties the device cache. Connect 'after' to run it last.",
             inputs=[H3Model.Input("h3_model"),
-                    io.AnyType.Input("after", optional=True, tooltip="Any output that must exist before unloading.")],
+                    after_input("unloading")],
             outputs=[],
             is_output_node=True,
             not_idempotent=True,
         )
-
-    @classmethod
-    def fingerprint_inputs(cls, **inputs):
-        return float("nan")  # never equal to the last run's: runs every time it is queued
 
     @classmethod
     def execute(cls, h3_model, after=None) -> io.NodeOutput:

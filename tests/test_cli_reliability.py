@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from h3_core.app import cli
 from h3_core.errors import H3Error
 from h3_core.pipeline import H3Pipeline
 from h3_core.planning.request_estimate import estimate_request, large_request_reasons
-from h3_core.request.generation_request import MAX_FRAMES, MAX_SECONDS, check_prompt, check_seed, check_shift
+from h3_core.request.generation_request import check_prompt, check_seed, check_shift
+from h3_core.request.grid import MAX_FRAMES, MAX_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,8 +60,8 @@ NOT_A_GPU = "this PyTorch build has no CUDA support"
     (["--memory-budget", "-4"], "--memory-budget -4.0: must be a finite number of GiB above 0"),
     (["--size", "8192x64"], "--size 8192x64: width 8192 is past the 4096-pixel limit"),
     (["--size", "64x1000000000"], "--size 64x1000000000: height 1000000000 is past the 4096-pixel limit"),
-    (["--frames", "100000"], "--frames 100000: 100016 frames on the grid is 4167.3 s; H3 generates at most 15 s "
-                             "(362 frames)."),
+    (["--frames", "100000"], "--frames 100000 (100016 on the 17n + 5 grid) is 4167.3 s of video; H3 generates at "
+                             "most 15 s (362 frames)."),
     (["--video-shift", "inf"], "--video-shift inf: must be a finite number above 0"),
     (["--video-shift", "nan"], "--video-shift nan: must be a finite number above 0"),
     (["--audio-shift", "0"], "--audio-shift 0.0: must be a finite number above 0"),
@@ -292,7 +294,7 @@ def test_api_checks_name_the_argument(tiny):
                              ({"steps": 1}, "steps 1: must be at least 2"),
                              ({"video_shift": float("inf")}, "video_shift inf: must be a finite number above 0"),
                              ({"audio_shift": 0.0}, "audio_shift 0.0: must be a finite number above 0"),
-                             ({"width": 8192}, "width / height: width 8192 is past the 4096-pixel limit")):
+                             ({"width": 8192}, "width 8192 is past the 4096-pixel limit")):
         with pytest.raises(H3Error) as caught:
             pipe.generate("x", **{**request, **changes})
         assert str(caught.value).startswith(message)
@@ -312,13 +314,13 @@ def pack(tmp_path):
 def test_nodes_and_cli_share_the_duration_limit(pack):
     from comfy_api.latest._io import node_info
 
-    inputs = node_info(pack["H3StreamSampler"])["input"]["required"]
+    inputs = node_info(pack["H3StreamEncodePrompt"])["input"]["required"]
     assert inputs["seconds"][1]["max"] == MAX_SECONDS == 15.0
     assert inputs["frames"][1]["max"] == MAX_FRAMES == 362
-    sampler = pack["H3StreamSampler"]
-    assert sampler.validate_inputs(362) is True
+    encoder = pack["H3StreamEncodePrompt"]
+    assert encoder.validate_inputs(362) is True
     # seconds past 15 is ComfyUI's own widget-maximum error (on seconds alone); a frame count is checked here.
-    assert sampler.validate_inputs(379) == "frames must be 0 (use seconds) or between 5 and 362, got 379."
+    assert encoder.validate_inputs(379) == "frames 379 is 15.8 s of video; H3 generates at most 15 s (362 frames)."
     # The CLI refuses what the widgets refuse.
     with pytest.raises(cli.CliError, match="at most 15"):
         cli.resolve_frames(cli.build_parser().parse_args(["generate", "x", "--seconds", "15.1"]), {}, print)
@@ -331,7 +333,7 @@ def test_sampler_shift_widgets_cannot_hold_zero(pack):
     from comfy_double.core_nodes import CORE_NODES
     from comfy_double.executor import PromptError, PromptExecutor
 
-    inputs = node_info(pack["H3StreamSampler"])["input"]["required"]
+    inputs = node_info(pack["H3StreamAVSampler"])["input"]["required"]
     for name in ("video_shift", "audio_shift"):
         assert inputs[name][1]["min"] == 0.1
         check_shift(inputs[name][1]["min"], name)  # the smallest value the widget takes runs
@@ -344,9 +346,15 @@ def test_sampler_shift_widgets_cannot_hold_zero(pack):
 def test_sampler_shift_error_at_run_time_names_the_widget(pack):
     from comfy_double.executor import run_node
 
+    from h3_core.pipeline import Conditioning
+    from h3_core.request.generation_request import GenerationRequest
+
+    # A linked 0 (a widget cannot hold it): refused by the request before anything runs.
+    cond = Conditioning(torch.zeros(1, 8), torch.zeros(1), request=GenerationRequest("x", width=96, height=64,
+                                                                                       num_frames=5))
     with pytest.raises(H3Error, match=r"^audio_shift 0.0: must be a finite number above 0"):
-        run_node(pack["H3StreamSampler"], "3", h3_model=None, h3_cond=None, width=96, height=64, seconds=1.0,
-                 frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=0.0, chunk_size=0)
+        run_node(pack["H3StreamAVSampler"], "3", h3_model=SimpleNamespace(loras=()), h3_cond=cond, steps=3, seed=7,
+                 video_shift=12.0, audio_shift=0.0, chunk_size=0)
 
 
 def test_device_problems_on_a_machine_with_two_gpus(monkeypatch):

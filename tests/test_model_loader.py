@@ -42,12 +42,11 @@ CUSTOM = {"memory_profile": "custom", "memory_profile.transformer_residency": "L
 def prompt_with(loader: dict, width=96, height=64) -> dict:
     return {
         "1": {"class_type": "H3StreamModelLoader", "inputs": loader},
-        "2": {"class_type": "H3StreamTextEncode", "inputs": {"h3_model": ["1", 0], "prompt": "a fox", "width": width,
-                                                              "height": height}},
-        "3": {"class_type": "H3StreamSampler", "inputs": {"h3_model": ["1", 0], "h3_cond": ["2", 0], "width": width,
-                                                           "height": height, "seconds": 1.0, "frames": 5, "steps": 2,
-                                                           "seed": 1, "video_shift": 12.0, "audio_shift": 3.0,
-                                                           "chunk_size": 0}},
+        "2": {"class_type": "H3StreamEncodePrompt", "inputs": {"h3_model": ["1", 0], "prompt": "a fox", "width": width,
+                                                                "height": height, "seconds": 1.0, "frames": 5}},
+        "3": {"class_type": "H3StreamAVSampler", "inputs": {"h3_model": ["1", 0], "h3_cond": ["2", 0], "steps": 2,
+                                                             "seed": 1, "video_shift": 12.0, "audio_shift": 3.0,
+                                                             "chunk_size": 0}},
         "4": {"class_type": "H3StreamUnload", "inputs": {"h3_model": ["1", 0], "after": ["3", 0]}},
     }
 

@@ -27,8 +27,10 @@ LOADER = dict(source=TINY, partition="FL2VA", transformer_residency="LAYERWISE_O
               audio_vae_residency="RESIDENT",
               prefetch=-1, resident_blocks=0, chunk_size=0, memory_budget_mib=0, dtype="auto", device="cpu")
 # 5 frames (2 latent frames, 8 audio latents) keep the tiny model's decoders fast; the example workflows run 1 s.
-SAMPLER = dict(width=W, height=H, seconds=1.0, frames=5, steps=3, seed=7, video_shift=12.0, audio_shift=3.0,
-               chunk_size=0)
+SAMPLER = dict(steps=3, seed=7, video_shift=12.0, audio_shift=3.0, chunk_size=0)
+DURATION = dict(seconds=1.0, frames=5)
+# The legacy sampler (saved workflows) takes its own canvas and duration.
+LEGACY_SAMPLER = dict(width=W, height=H, **DURATION, **SAMPLER)
 TINY_LORA = "h3_tiny_turbo_lora.safetensors"
 # Options of these combos are the files on the machine that recorded the contract.
 MACHINE_DEPENDENT_OPTIONS = {"h3_folder", "diffusion_model", "text_encoder", "video_vae", "audio_vae"}
@@ -62,7 +64,8 @@ def load(pack, **changes):
 
 
 def encode(pack, handle, prompt="A fox in the snow.", **extra):
-    return run(pack["H3StreamTextEncode"], "2", h3_model=handle, prompt=prompt, width=W, height=H, **extra)[0]
+    return run(pack["H3StreamEncodePrompt"], "2", h3_model=handle, prompt=prompt,
+               **{"width": W, "height": H, **DURATION, **extra})[0]
 
 
 # ---- the double is faithful to ComfyUI ---------------------------------------------------------------------------
@@ -187,13 +190,14 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
     loader = next(k for k, v in base.items() if v["class_type"] == "H3StreamModelLoader")
     base[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LOADER)}
     executor.validate(json.loads(json.dumps(base)))  # the example itself is valid
-    sampler = next(k for k, v in base.items() if v["class_type"] == "H3StreamSampler")
+    encoder = next(k for k, v in base.items() if v["class_type"] == "H3StreamEncodePrompt")
     cases = [(loader, "video_vae_residency", "layerwise", "video_vae_residency: 'layerwise' not in"),
              (loader, "transformer_residency", "GPU", "transformer_residency: 'GPU' not in"),
              (loader, "device", "cuda", "device - custom validation failed: device 'cuda': this PyTorch build has no "
                                         "CUDA support"),
-             (sampler, "seconds", 0.0, "seconds: 0.0 is smaller than min 0.1"),
-             (sampler, "frames", 40, "frames - custom validation failed: frames must be on the 17n + 5 grid")]
+             (encoder, "seconds", 0.0, "seconds: 0.0 is smaller than min 0.1"),
+             (encoder, "width", 8192, "width: 8192 is bigger than max 4096"),
+             (encoder, "frames", 40, "frames - custom validation failed: frames 40 is off the 17n + 5 frame grid")]
     for node, name, value, expected in cases:
         prompt = json.loads(json.dumps(base))
         prompt[node]["inputs"][name] = value
@@ -303,7 +307,7 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
 
     handle = load(pack)
     cond = encode(pack, handle)
-    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     assert tuple(latents.video.shape) == (1, 24, 2, H // 16, W // 16) and tuple(latents.audio.shape) == (1, 32, 2, 8)
     images, fps = run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
     audio, = run(pack["H3StreamDecodeAudio"], "5", h3_model=handle, h3_latent=latents)
@@ -347,7 +351,7 @@ def test_decode_nodes_name_a_corrupt_vae_tensor(pack):
         state[key] = torch.full_like(state[key], value)
         save_file(state, path)
     handle = load(pack, source="models/h3 folder", h3_folder="poisoned")
-    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=encode(pack, handle), **SAMPLER)
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=encode(pack, handle), **SAMPLER)
     with pytest.raises(H3Error, match=r"tensor 'decoder\.transformer_blocks\.0\.ff\.w2\.weight' contains NaN or "
                                       r"Inf values, so the video VAE produced NaN/Inf at decoding"):
         run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
@@ -359,7 +363,7 @@ def test_decode_nodes_name_a_corrupt_vae_tensor(pack):
 def test_same_seed_same_latents_and_other_seed_other_latents(pack):
     handle = load(pack)
     cond = encode(pack, handle)
-    sample = pack["H3StreamSampler"]
+    sample = pack["H3StreamAVSampler"]
     first = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)[0]
     again = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)[0]
     other = run(sample, "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "seed": 8})[0]
@@ -415,13 +419,13 @@ def test_offloaded_components_are_released_by_the_next_phase_and_resident_ones_k
         assert MemorySettings.build(transformer=residency, text_encoder="RESIDENT", video_vae=residency,
                                     audio_vae="RESIDENT").keep_options()["keep_transformer"] == kept
         cond = encode(pack, handle, first_frame=torch.rand(1, 40, 50, 3))
-        latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+        latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
         gc.collect()
         assert (loads["load_video_vae"][0]() is not None) == kept  # the keyframe encoder, during sampling
         run(pack["H3StreamDecodeVideo"], "4", h3_model=handle, h3_latent=latents)
         gc.collect()
         assert (loads["load_dit"][0]() is not None) == kept  # the transformer, during decoding
-        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "seed": 8})
+        run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "seed": 8})
         # Released: loaded again (the video VAE that decoded is still there for the next keyframe encode).
         assert (len(loads["load_dit"]), len(loads["load_video_vae"])) == ((1, 1) if kept else (2, 2))
         handle.pipeline.release_all()
@@ -441,14 +445,14 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
     press_cancel = transformer.blocks[0].register_forward_hook(lambda *a: mm.interrupt_current_processing(True))
     attributes = {name: id(value) for name, value in vars(transformer).items()}
     with pytest.raises(mm.InterruptProcessingException):
-        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+        run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     assert finished_blocks == [0]
     assert recorders["progress"] == [("3", 0, 2)]  # sampling started, not one step finished
     # The check and this run's chunking were options of the call: nothing on the model changed, however it ended.
     assert {name: id(value) for name, value in vars(transformer).items()} == attributes
     press_cancel.remove()
     finished_blocks.clear()
-    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     assert finished_blocks == [0, 1, 0, 1] and latents.video.isfinite().all()
     for handle_ in counters:
         handle_.remove()
@@ -457,7 +461,7 @@ def test_cancel_stops_within_one_transformer_block(pack, recorders):
 def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recorders):
     handle = load(pack, mps_reclaim_every=2)
     cond = encode(pack, handle)
-    sample = pack["H3StreamSampler"]
+    sample = pack["H3StreamAVSampler"]
     fused, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     transformer = handle.pipeline.component("transformer")
     policy = transformer.chunking
@@ -474,41 +478,53 @@ def test_sampler_chunk_override_is_for_one_run_and_keeps_the_numbers(pack, recor
     assert (budgeted.chunk_size, budgeted.memory_budget) == (32, 8 << 20)
 
 
-def test_fl2va_keyframes_must_match_the_sampler_canvas(pack):
+def test_the_canvas_and_duration_are_typed_once_and_travel_with_the_conditioning(pack):
+    """H3 Sampler makes what H3 Text Encode encoded (it has no canvas or duration of its own); the legacy sampler's
+    own canvas must equal the keyframes' canvas."""
     from h3_core.errors import H3Error
 
     handle = load(pack)
-    first = torch.rand(1, 40, 50, 3)
-    cond = encode(pack, handle, first_frame=first)
-    assert cond.has_keyframes and cond.conditioning.anchors == ("first",)
-    with pytest.raises(H3Error, match=r"fitted to 96x64 .* makes 128x64"):
-        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**SAMPLER, "width": 128})
-    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
-    assert latents.video.shape[2] == 2
+    cond = encode(pack, handle, first_frame=torch.rand(1, 40, 50, 3))
+    assert cond.keyframes and cond.anchors == ("first",)
+    assert (cond.request.width, cond.request.height, cond.request.num_frames) == (W, H, 5)
+    assert not {"width", "height", "seconds", "frames"} & {i.id for i in pack["H3StreamAVSampler"].GET_SCHEMA().inputs}
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    assert latents.shape == cond.request.shape and latents.video.shape[2] == 2
+    legacy = pack["H3StreamSampler"]
+    with pytest.raises(H3Error, match=r"width / height 128x64: the keyframes were fitted to 96x64"):
+        run(legacy, "3", h3_model=handle, h3_cond=cond, **{**LEGACY_SAMPLER, "width": 128})
+    again, = run(legacy, "3", h3_model=handle, h3_cond=cond, **LEGACY_SAMPLER)
+    assert torch.equal(again.video, latents.video)  # the same request, made by either sampler
 
 
-def test_sampler_and_text_encode_validation_messages(pack):
-    sampler, encoder = pack["H3StreamSampler"], pack["H3StreamTextEncode"]
-    assert sampler.validate_inputs(0) is True
-    assert sampler.validate_inputs(39) is True
-    off_grid = sampler.validate_inputs(40)
-    assert "17n + 5" in off_grid and "use 56" in off_grid
-    assert "width must be a positive multiple of 32" in encoder.validate_inputs(100, 64)
-    assert sampler.validate_inputs(None) is True  # linked values are checked when it runs
-    # seconds is not taken: ComfyUI checks its widget minimum (one error, on seconds); a linked 0 fails at run time.
+def test_request_mistakes_are_one_error_in_the_widgets_words(pack):
+    """validate_inputs takes the frames widget alone (ComfyUI reports a failed check under every input the check
+    takes); the canvas and the rest are the request's rules, one error naming the widget when the node runs,
+    before anything loads."""
     from h3_core.errors import H3Error
 
-    with pytest.raises(H3Error, match="seconds must be above 0"):
-        run(sampler, "3", h3_model=None, h3_cond=None, **{**SAMPLER, "seconds": 0.0, "frames": 0})
-    with pytest.raises(H3Error, match="width must be a positive multiple of 32"):  # the sampler's own canvas
-        run(sampler, "3", h3_model=None, h3_cond=None, **{**SAMPLER, "width": 100})
-    assert "height must be between 32 and 4096" in encoder.validate_inputs(96, 8192)
+    encoder, sampler = pack["H3StreamEncodePrompt"], pack["H3StreamSampler"]
+    for node in (encoder, sampler):
+        assert node.validate_inputs(0) is True and node.validate_inputs(39) is True
+        assert node.validate_inputs(None) is True  # linked values are checked when it runs
+        off_grid = node.validate_inputs(40)
+        assert off_grid.startswith("frames 40 is off the 17n + 5 frame grid") and "use 56" in off_grid
+    handle = load(pack)
+    for change, message in (({"width": 100}, "width 100 is not a positive multiple of 32 pixels; use 96 or 128."),
+                            ({"height": 8192}, "height 8192 is past the 4096-pixel limit"),
+                            ({"seconds": 0.0, "frames": 0}, "seconds 0: must be more than 0 and at most 15")):
+        with pytest.raises(H3Error) as caught:
+            encode(pack, handle, **change)
+        assert str(caught.value).startswith(message)
+        assert handle.pipeline.loaded == ()  # refused before the text encoder loaded
+    with pytest.raises(H3Error, match="width 100 is not a positive multiple of 32"):  # the legacy sampler's canvas
+        run(sampler, "3", h3_model=handle, h3_cond=encode(pack, handle), **{**LEGACY_SAMPLER, "width": 100})
 
 
 def test_unload_releases_every_component(pack):
     handle = load(pack)
     cond = encode(pack, handle)
-    latents, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER)
     transformer = weakref.ref(handle.pipeline.component("transformer"))
     vae = weakref.ref(handle.pipeline.component("video_vae"))
     text, = run(pack["H3StreamMemoryReport"], "6", h3_model=handle, after=latents)
@@ -546,7 +562,7 @@ def test_sampling_with_a_lora_differs_and_strength_zero_is_the_base_model(pack):
     for residency in ("LAYERWISE_OFFLOAD", "RESIDENT"):
         handle = load(pack, transformer_residency=residency)
         cond = encode(pack, handle)
-        sample = pack["H3StreamSampler"]
+        sample = pack["H3StreamAVSampler"]
         base, = run(sample, "3", h3_model=handle, h3_cond=cond, **SAMPLER)
         lora, = run(sample, "3", h3_model=add_lora(pack, handle), h3_cond=cond, **SAMPLER)
         assert handle.pipeline.component("transformer").loras == ((lora_file(), 1.0),)

@@ -59,7 +59,7 @@ for (const device of ["cpu", "mps"]) {
   result[device] = Object.fromEntries(loader.widgets.map((w) => [w.name, w.hidden ?? false]));
   result[device + "_other_drawn"] = typeof other.onDrawForeground;
   if (device === "cpu") {
-    const sampler = makeNode(3, "H3StreamSampler", []);
+    const sampler = makeNode(3, "H3StreamAVSampler", []);
     app.graph._nodes.push(sampler);
     ext.nodeCreated(sampler);
     api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: 3 * 2 ** 30,

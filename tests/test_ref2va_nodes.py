@@ -7,11 +7,11 @@ from fractions import Fraction
 
 import pytest
 import torch
-from test_nodes import SAMPLER, H, W, load, pack, run  # noqa: F401  (pack: the fixture)
+from test_nodes import LEGACY_SAMPLER, SAMPLER, H, W, load, pack, run  # noqa: F401  (pack: the fixture)
 
 # 22 frames: a video reference is cut to the generated length, and the text encoder needs 13 frames of it.
-RUN = {**SAMPLER, "frames": 22}
-SECONDS_FRAMES = dict(seconds=1.0, frames=RUN["frames"])
+FRAMES = 22
+SECONDS_FRAMES = dict(seconds=1.0, frames=FRAMES)
 
 
 def video(frames=14, sound=True):
@@ -32,20 +32,19 @@ def audio(seconds=0.5):
 
 
 def references(pack, **connected):
-    return run(pack["H3StreamReferences"], "9", ref_image_size="reference", **SECONDS_FRAMES, **connected)[0]
+    return run(pack["H3StreamReferenceMedia"], "9", ref_image_size="reference", **connected)[0]
+
+
+def encode(pack, handle, refs=None, prompt="a fox sings", **duration):
+    return run(pack["H3StreamEncodePrompt"], "2", h3_model=handle, prompt=prompt, width=W, height=H,
+               **{**SECONDS_FRAMES, **duration}, **({"h3_refs": refs} if refs is not None else {}))[0]
 
 
 def sample(pack, handle, refs):
-    cond = run(pack["H3StreamTextEncode"], "2", h3_model=handle, prompt="a fox sings", width=W, height=H,
-               h3_refs=refs)[0]
-    return run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **RUN)[0]
+    return run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=encode(pack, handle, refs), **SAMPLER)[0]
 
 
 def test_the_nodes_sample_what_h3_core_samples_for_the_same_references(pack):
-    from h3_core.request.grid import LatentShape
-    from h3_core.request.references import build_references
-    from h3_core.sources.model_sources import canvas_rules
-
     handle = load(pack, partition="Ref2VA")
     clip = video()
     refs = references(pack, ref_image_2=image(), ref_video_1=clip, ref_video_3=video(frames=20, sound=False),
@@ -53,16 +52,14 @@ def test_the_nodes_sample_what_h3_core_samples_for_the_same_references(pack):
     assert [label for _, label in refs.labels] == ["ref_image_2", "ref_video_1", "ref_video_3", "ref_audio_1"]
     latents = sample(pack, handle, refs)
     pipeline = handle.pipeline
-    direct = build_references([image()], [(clip.images, clip.audio["waveform"][0], 24.0, 44100),
-                                          (video(frames=20, sound=False).images, None)],
-                              [(audio()["waveform"][0], 32000)], num_frames=RUN["frames"], width=W, height=H,
-                              canvas_rules=canvas_rules(pipeline.sources))
-    cond = pipeline.encode_prompt("a fox sings", width=W, height=H, references=direct)
-    expected = pipeline.sample(cond, LatentShape.for_request(W, H, RUN["frames"]), steps=RUN["steps"],
-                               seed=RUN["seed"])
+    direct = dict(reference_images=[image()],
+                  reference_videos=[(clip.images, clip.audio["waveform"][0], 24.0, 44100),
+                                    (video(frames=20, sound=False).images, None)],
+                  reference_audios=[(audio()["waveform"][0], 32000)])
+    cond = pipeline.encode_prompt("a fox sings", width=W, height=H, num_frames=FRAMES, **direct)
+    expected = pipeline.sample(cond, steps=SAMPLER["steps"], seed=SAMPLER["seed"])
     assert torch.equal(latents.video, expected.video) and torch.equal(latents.audio, expected.audio)
-    plain = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=run(
-        pack["H3StreamTextEncode"], "2", h3_model=handle, prompt="a fox sings", width=W, height=H)[0], **RUN)[0]
+    plain = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=encode(pack, handle), **SAMPLER)[0]
     assert not torch.equal(plain.video, latents.video)
 
 
@@ -82,10 +79,19 @@ def test_bad_references_are_one_error_in_socket_names(pack):
     with pytest.raises(H3Error, match=r"ref_video_1: the video has 8 frames at 24 fps"):
         sample(pack, handle, references(pack, ref_video_1=video(frames=8)))
     refs = references(pack, ref_image_1=image())
-    cond = run(pack["H3StreamTextEncode"], "2", h3_model=handle, prompt="a fox", width=W, height=H, h3_refs=refs)[0]
-    with pytest.raises(H3Error, match=r"the references were cut to 22 frames by H3 References but the sampler makes "
-                                      r"39; set the same seconds / frames on both nodes"):
-        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**RUN, "frames": 39})
+    # Saved workflows: the legacy nodes, each with its own duration, must agree.
+    legacy_refs = run(pack["H3StreamReferences"], "9", ref_image_size="reference", **SECONDS_FRAMES,
+                      ref_image_1=image())[0]
+    with pytest.raises(H3Error, match=r"h3_refs: H3 References \(legacy\) cuts its references to 22 frames but H3 "
+                                      r"Text Encode makes 39"):
+        encode(pack, handle, legacy_refs, frames=39)
+    cond = run(pack["H3StreamTextEncode"], "2", h3_model=handle, prompt="a fox", width=W, height=H,
+               h3_refs=legacy_refs)[0]
+    with pytest.raises(H3Error, match=r"frames 39: the references were cut to 22 frames when the prompt was "
+                                      r"encoded"):
+        run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **{**LEGACY_SAMPLER, "frames": 39})
+    assert run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond,
+               **{**LEGACY_SAMPLER, "frames": FRAMES})[0].shape.num_frames == FRAMES
     fl2va = load(pack)
     with pytest.raises(H3Error, match=r"references need the Ref2VA transformer"):
         sample(pack, fl2va, refs)

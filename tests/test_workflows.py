@@ -23,7 +23,7 @@ CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
 API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
 # The examples that run on this machine (the remote-engine example runs on a server: its own test below).
-LOCAL_API_FILES = [p for p in API_FILES if "H3StreamSampler" in p.read_text()]
+LOCAL_API_FILES = [p for p in API_FILES if "H3StreamAVSampler" in p.read_text()]
 REMOTE_API_FILES = [p for p in API_FILES if "H3StreamGenerateRemote" in p.read_text()]
 SEMVER = re.compile(r"^\d+\.\d+\.\d+$")
 FRONTEND_ONLY = {"MarkdownNote", "Note"}  # drawn by the frontend, never queued
@@ -198,11 +198,11 @@ def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     prompt = json.loads(path.read_text())
     SAVED.clear()
     result = executor.run(prompt)
-    sampler = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamSampler")
-    frames = sampler["frames"] or frames_for_seconds(sampler["seconds"])
+    encoder = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamEncodePrompt")
+    frames = encoder["frames"] or frames_for_seconds(encoder["seconds"])
     video, audio = SAVED
     assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudioAdvanced" and audio["format"] == "flac"
-    assert tuple(video["images"].shape) == (frames, sampler["height"], sampler["width"], 3)
+    assert tuple(video["images"].shape) == (frames, encoder["height"], encoder["width"], 3)
     assert video["frame_rate"] == 24
     assert video["audio"] is audio["audio"]  # the same AUDIO feeds the video and the audio file
     waveform = audio["audio"]["waveform"]
@@ -213,12 +213,39 @@ def test_api_workflow_runs_and_saves_image_frames_and_audio(path, executor):
     assert output_nodes <= set(result.ui)
 
 
+LEGACY_API_FILES = sorted((Path(__file__).parent / "legacy_workflows").glob("*.api.json"))
+
+
+@pytest.mark.parametrize("path", LEGACY_API_FILES, ids=lambda p: p.stem)
+def test_examples_saved_before_the_request_moved_still_validate(path, executor):
+    """Today's examples as they were saved before the canvas and duration moved to H3 Text Encode (the legacy text
+    encode, sampler and references nodes): ComfyUI still accepts them (the real server runs them all:
+    tests/comfy_double/verify_server.py)."""
+    prompt = json.loads(path.read_text())
+    assert {"H3StreamTextEncode", "H3StreamSampler"} <= {node["class_type"] for node in prompt.values()}
+    executor.validate(prompt)
+
+
+def test_the_ref2va_example_saved_before_the_request_moved_still_runs(executor):
+    from comfy_double.core_nodes import SAVED
+
+    from h3_core.request.grid import audio_samples_for_frames, frames_for_seconds
+
+    prompt = json.loads((Path(__file__).parent / "legacy_workflows" / "h3_stream_ref2va_tiny.api.json").read_text())
+    SAVED.clear()
+    executor.run(prompt)
+    video, audio = SAVED
+    frames = frames_for_seconds(1.0)  # the legacy sampler's and references' own 1 s
+    assert tuple(video["images"].shape) == (frames, 64, 96, 3)
+    assert audio["audio"]["waveform"].shape[-1] == audio_samples_for_frames(frames)
+
+
 def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(executor):
     from h3_core import read_lora
 
     prompt = json.loads((EXAMPLES / "api" / "h3_stream_t2va_turbo_tiny.json").read_text())
     lora_node = next(k for k, node in prompt.items() if node["class_type"] == "H3StreamLoRA")
-    sampler = next(node for node in prompt.values() if node["class_type"] == "H3StreamSampler")
+    sampler = next(node for node in prompt.values() if node["class_type"] == "H3StreamAVSampler")
     sampler["inputs"]["seed"] += 1  # the sampler runs again (after the example's own run), asking for the LoRA's output
     import server
 

@@ -5,8 +5,8 @@ import { api } from "../../scripts/api.js";
 
 const EVENT = "h3_stream.memory"; // sent by nodes/comfy_runtime.py after each H3 node ran
 const NODE_IDS = new Set([
-  "H3StreamLoader", "H3StreamModelLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
-  "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload",
+  "H3StreamLoader", "H3StreamModelLoader", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamTextEncode",
+  "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload",
 ]);
 // Widgets that only do something on Apple MPS (unified memory).
 const MPS_ONLY_WIDGETS = { H3StreamLoader: ["mps_reclaim_every"], H3StreamModelLoader: ["memory_profile.mps_reclaim_every"] };

@@ -27,7 +27,8 @@ from pathlib import Path
 PACK = Path(__file__).resolve().parents[2]
 NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
             "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
-            "H3StreamLatentFromCore", "H3StreamGenerateRemote", "H3StreamReferences"]
+            "H3StreamLatentFromCore", "H3StreamGenerateRemote", "H3StreamReferences", "H3StreamEncodePrompt",
+            "H3StreamAVSampler", "H3StreamReferenceMedia"]
 
 
 # The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
@@ -138,7 +139,7 @@ def core_latent_prompt() -> dict:
     """The tiny T2VA example with its latent sent through core's nodes between sampler and decoders: H3 Latent to
     Core -> Separate AV Latent -> Concat AV Latent -> H3 Latent from Core."""
     prompt = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
-    sampler = next(node for node, spec in prompt.items() if spec["class_type"] == "H3StreamSampler")
+    sampler = next(node for node, spec in prompt.items() if spec["class_type"] == "H3StreamAVSampler")
     prompt.update({
         "90": {"class_type": "H3StreamLatentToCore", "inputs": {"h3_latent": [sampler, 0]}},
         "91": {"class_type": "LTXVSeparateAVLatent", "inputs": {"av_latent": ["90", 0]}},
@@ -170,7 +171,11 @@ def prompts(stand_in_url: str) -> list[tuple[str, dict]]:
     for spec in legacy.values():
         if "filename_prefix" in spec["inputs"]:
             spec["inputs"]["filename_prefix"] = "h3_stream/legacy_loader"
-    return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)]
+    # The examples as saved before the canvas and duration moved to H3 Text Encode (legacy text encode, sampler and
+    # references nodes): saved workflows still run.
+    saved = [(f"saved before the request moved: {path.name}", json.loads(path.read_text()))
+             for path in sorted((PACK / "tests" / "legacy_workflows").glob("*.api.json"))]
+    return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)] + saved
 
 
 def remote_cancel_deletes_the_job(server: str) -> bool:
@@ -222,7 +227,8 @@ def main() -> int:
     failures += not remote_cancel_deletes_the_job(server)
     example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
-    sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamSampler")
+    sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
+    encoder = next(k for k, v in example.items() if v["class_type"] == "H3StreamEncodePrompt")
     cpu_only = call(f"{server}/system_stats")["devices"][0]["type"] == "cpu"
     custom = {"memory_profile": "custom", **{f"memory_profile.{name}": value for name, value in CUSTOM.items()}}
     legacy = json.loads(json.dumps(example))
@@ -230,7 +236,9 @@ def main() -> int:
     mistakes = [(example, loader, "source.partition", "ref2va", {}, "not in"),
                 (example, loader, "memory_profile.video_vae_residency", "layerwise", custom, "not in"),
                 (example, loader, "memory_profile.transformer_residency", "GPU", custom, "not in"),
-                (example, sampler, "seconds", 0, {}, "smaller than min"),
+                (example, encoder, "seconds", 0, {}, "smaller than min"),
+                (example, encoder, "width", 8192, {}, "bigger than max"),
+                (example, encoder, "frames", 40, {}, "frames 40 is off the 17n + 5 frame grid"),
                 (legacy, loader, "video_vae_residency", "layerwise", {}, "not in"),
                 (legacy, loader, "transformer_residency", "GPU", {}, "not in")]
     if cpu_only:
@@ -246,6 +254,11 @@ def main() -> int:
         prompt = json.loads(json.dumps(example))
         prompt[loader]["inputs"][name] = value
         failures += not fails_when_run(server, prompt, f"{name} {value!r} is not one of")
+    # Off the 32-pixel grid: ComfyUI checks no step, so the request refuses it when H3 Text Encode runs (one error,
+    # naming the widget; a validate_inputs taking width and height would report it under both).
+    prompt = json.loads(json.dumps(example))
+    prompt[encoder]["inputs"]["width"] = 33
+    failures += not fails_when_run(server, prompt, "width 33 is not a positive multiple of 32 pixels; use 32 or 64")
     example[sampler]["inputs"]["seed"] = int(time.time())  # not a cached result: the nodes must run
     failures += not only_the_queuing_client_hears(server, example)
     return 1 if failures else 0
