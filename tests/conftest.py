@@ -25,3 +25,16 @@ def tiny(tiny_cache):
     from h3_core.sources.tiny_default import ensure_tiny_model
 
     return ensure_tiny_model(tiny_cache)
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys, tiny_cache):
+    """`run_cli(args, cwd, **environment)`: `python -m h3_core ARGS` in this process (tests/cli_fixtures.py), with
+    the session's tiny-model cache unless the test sets H3_STREAM_CACHE itself."""
+    from cli_fixtures import run_cli_in_process
+
+    def run(args, cwd, **environment):
+        environment = {"H3_STREAM_CACHE": tiny_cache, **environment}
+        return run_cli_in_process(args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys, environment=environment)
+
+    return run

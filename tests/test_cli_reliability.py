@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 from pathlib import Path
@@ -23,15 +22,9 @@ from h3_core.request.grid import MAX_FRAMES, MAX_SECONDS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_cli(args, cache, cwd, **env_changes):
-    env = dict(os.environ, H3_STREAM_CACHE=str(cache), PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8", **env_changes)
-    return subprocess.run([sys.executable, "-m", "h3_core", "generate", *args], cwd=cwd, env=env,
-                          capture_output=True, timeout=300)
-
-
 def one_error_line(done) -> str:
     """The run failed with exit code 2, one `error: ...` line on stderr, no traceback and no model loaded."""
-    stderr, stdout = done.stderr.decode(), done.stdout.decode()
+    stderr, stdout = done.stderr, done.stdout
     assert done.returncode == 2, (stdout, stderr)
     assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
     assert "Traceback" not in stderr and "loaded " not in stdout and "sampling [" not in stderr, (stdout, stderr)
@@ -67,14 +60,14 @@ NOT_A_GPU = "this PyTorch build has no CUDA support"
     (["--audio-shift", "0"], "--audio-shift 0.0: must be a finite number above 0"),
     (["--chunk-size", "0"], "--chunk-size 0: must be at least 1"),
 ])
-def test_bad_flags_give_one_line_before_any_model(args, message, tiny, tiny_cache, tmp_path):
-    assert message in one_error_line(run_cli(["x", *args], tiny_cache, tmp_path))
+def test_bad_flags_give_one_line_before_any_model(args, message, tiny, run_cli, tmp_path):
+    assert message in one_error_line(run_cli(["generate", "x", *args], tmp_path))
 
 
-def test_undecodable_prompt_bytes_give_one_line(tiny, tiny_cache, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "h3_core", "generate", b"a fox \xff\xfe"], cwd=tmp_path,
-                          env=dict(os.environ, H3_STREAM_CACHE=str(tiny_cache), PYTHONPATH=str(ROOT),
-                                   LC_ALL="C.UTF-8"), capture_output=True, timeout=300)
+def test_undecodable_prompt_bytes_give_one_line(tiny, run_cli, tmp_path):
+    # Python hands argv bytes that are not UTF-8 to the program as lone surrogates (PEP 383): os.fsdecode is that
+    # decoding, so this is the string `python -m h3_core generate $'a fox \xff\xfe'` sees in a UTF-8 locale.
+    done = run_cli(["generate", os.fsdecode(b"a fox \xff\xfe")], tmp_path)
     assert one_error_line(done) == ("error: the prompt: character 6 is byte 0xff, which is not UTF-8; check the "
                                     "terminal's encoding (locale) and give the prompt as UTF-8 text.\n")
 
@@ -89,9 +82,9 @@ def test_python_api_prompt_with_a_lone_surrogate(tiny):
     assert pipe.loaded == ()  # refused before the text encoder loads
 
 
-def test_keyframe_that_pil_cannot_open(tiny, tiny_cache, tmp_path):
+def test_keyframe_that_pil_cannot_open(tiny, run_cli, tmp_path):
     (tmp_path / "not_an_image.png").write_bytes(b"this is text")
-    done = run_cli(["x", "--first-frame", "not_an_image.png"], tiny_cache, tmp_path)
+    done = run_cli(["generate", "x", "--first-frame", "not_an_image.png"], tmp_path)
     assert "error: --first-frame not_an_image.png: PIL cannot open it as an image (cannot identify image file" in \
         one_error_line(done)
 
@@ -104,10 +97,10 @@ def test_keyframe_that_pil_cannot_open(tiny, tiny_cache, tmp_path):
     ("/proc", "error: $H3_STREAM_CACHE '/proc': cannot be written ("),
     ("/sys", "error: $H3_STREAM_CACHE '/sys': cannot be written ("),
 ])
-def test_unusable_cache_folder_names_the_variable(cache, message, tmp_path):
+def test_unusable_cache_folder_names_the_variable(cache, message, run_cli, tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     cache = cache if cache.startswith("/") else str(tmp_path / cache)
-    stderr = one_error_line(run_cli(["x"], cache, tmp_path))
+    stderr = one_error_line(run_cli(["generate", "x"], tmp_path, H3_STREAM_CACHE=cache))
     assert stderr.startswith(message.format(cache=cache)), stderr
 
 
@@ -139,8 +132,8 @@ def test_checks_run_before_the_model_is_resolved(args, monkeypatch, capsys, tmp_
     (["--size", "4096x4096"], "--size 4096x4096 is 16.8 megapixels, past the 2.1-megapixel (1920x1088) threshold."),
     (["--steps", "100000"], "--steps 100000 is past the 200-step threshold."),
 ])
-def test_large_requests_are_refused_with_their_estimate(args, reason, tiny, tiny_cache, tmp_path):
-    stderr = one_error_line(run_cli(["x", *args], tiny_cache, tmp_path))
+def test_large_requests_are_refused_with_their_estimate(args, reason, tiny, run_cli, tmp_path):
+    stderr = one_error_line(run_cli(["generate", "x", *args], tmp_path))
     assert stderr.startswith(f"error: this is a large request: {reason} Estimated peak memory "), stderr
     assert "of transformer work over" in stderr and "Both are rough estimates" in stderr
     assert stderr.endswith("Pass --yes-large to run it anyway, or use a smaller --size, fewer --steps or fewer "

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_fixtures import default_sigint
+
 from h3_core.app import cli
 from h3_core.errors import H3Error
 from h3_core.pipeline import H3Pipeline
@@ -93,7 +95,7 @@ def signalled_run(tiny, tmp_path, mode, signum):
     """Run the CLI child, send `signum` once it waits (mid-generation or mid-write), return its result."""
     out = tmp_path / "clip.mp4"
     child = subprocess.Popen([sys.executable, "-c", CHILD, mode, str(out)], cwd=tmp_path, env=child_env(tiny),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     watchdog = threading.Timer(300, child.kill)
     watchdog.start()
     try:
@@ -279,13 +281,12 @@ def test_damaged_cached_model_is_regenerated(tiny, tmp_path):
     assert notes == []  # intact now: nothing to say
 
 
-def test_cli_regenerates_a_damaged_tiny_model(tiny, tmp_path):
+def test_cli_regenerates_a_damaged_tiny_model(tiny, run_cli, monkeypatch, tmp_path):
     root = tmp_path / "cache"
     shutil.copytree(tiny.parent / TINY_VERSION, root / TINY_VERSION)
     (root / TINY_VERSION / "text_encoders" / "qwen3vl_tiny_minimax_h3" / "tokenizer.json").unlink()
-    done = subprocess.run([sys.executable, "-c", CHILD, "now", str(tmp_path / "clip.mp4")], cwd=tmp_path,
-                          env=dict(child_env(tiny), H3_STREAM_CACHE=str(root)), capture_output=True, text=True,
-                          timeout=300)
+    monkeypatch.setattr(H3Pipeline, "generate", lambda self, *args, **kwargs: fake_result())
+    done = run_cli(["generate", "x", "--out", "clip.mp4"], tmp_path, H3_STREAM_CACHE=root)
     assert done.returncode == 0, done.stderr
     assert (f"note: the cached tiny model in {root / TINY_VERSION} is damaged (text_encoders/qwen3vl_tiny_minimax_h3/"
             "tokenizer.json is missing); regenerating it\n") in done.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -17,7 +16,7 @@ from PIL import Image
 import h3_core
 from h3_core.errors import CheckpointError, H3Error
 from h3_core.pipeline import H3Pipeline
-from h3_core.sources import ModelSources, is_repo_id, resolve_model
+from h3_core.sources import is_repo_id, resolve_model
 from h3_core.sources.tiny_default import ensure_tiny_model, write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,19 +184,21 @@ def test_chunking_is_an_option_of_one_sample_call(pipeline):
     policy = pipeline.component("transformer").chunking
     saved = vars(policy).copy()
     reclaims = []
-    chunked = pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3, chunk_size=16, between_chunks=lambda: reclaims.append(1))
+    chunked = pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3, chunk_size=16,
+                              between_chunks=lambda: reclaims.append(1))
     assert reclaims  # ran between the row chunks of this call
     assert pipeline.component("transformer").chunking is policy and vars(policy) == saved
     assert torch.allclose(chunked.video, fused.video, atol=1e-5, rtol=0)
     assert torch.allclose(chunked.audio, fused.audio, atol=1e-5, rtol=0)
     reclaims.clear()
-    assert torch.equal(pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3).video, fused.video) and not reclaims
+    again = pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3)
+    assert torch.equal(again.video, fused.video) and not reclaims
     with pytest.raises(ChunkingError, match="chunk_size must be a positive integer"):
         pipeline.sample(cond, num_frames=shape.num_frames, steps=3, seed=3, chunk_size=0)
 
 
 def test_decode_video_and_audio_are_the_two_halves_of_decode(pipeline):
-    from h3_core.request.grid import LatentShape, audio_samples_for_frames
+    from h3_core.request.grid import audio_samples_for_frames
 
     cond = pipeline.encode_prompt("a quiet harbour at night", width=64, height=96)
     latents = pipeline.sample(cond, num_frames=22, steps=3, seed=3)
@@ -292,6 +293,7 @@ def test_missing_component_folder_names_it(tiny, tmp_path):
 
 
 def cli(args, cache, cwd):
+    """A real `python -m h3_core` child: the README command is run as a user runs it."""
     env = dict(os.environ, H3_STREAM_CACHE=str(cache), PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "h3_core", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -340,15 +342,14 @@ def test_cli_png_and_wav_fallback(tiny, tiny_cache, tmp_path):
     (["--first-frame", "missing.png"], "no such image file"),
     (["--model", "no_such_folder/at/all"], "not a Hugging Face repo id"),
 ])
-def test_cli_bad_arguments_give_one_line(args, message, tiny, tiny_cache, tmp_path):
-    done = cli(["generate", "x", *args], tiny_cache, tmp_path)
+def test_cli_bad_arguments_give_one_line(args, message, tiny, run_cli, tmp_path):
+    done = run_cli(["generate", "x", *args], tmp_path)
     assert done.returncode == 2
     assert message in done.stderr, done.stderr
     assert done.stderr.startswith("error: ") and "Traceback" not in done.stderr
 
 
-def test_cli_rounds_frames_up_and_says_so(tiny, tiny_cache, tmp_path):
-    done = cli(["generate", "x", "--frames", "6", "--size", "64x32", "--steps", "2", "--out", "o.mp4"], tiny_cache,
-               tmp_path)
+def test_cli_rounds_frames_up_and_says_so(tiny, run_cli, tmp_path):
+    done = run_cli(["generate", "x", "--frames", "6", "--size", "64x32", "--steps", "2", "--out", "o.mp4"], tmp_path)
     assert done.returncode == 0, done.stderr
     assert "6 frames is off the 17n+5 grid" in done.stdout and "rounding up to 22" in done.stdout

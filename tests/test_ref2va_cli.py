@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_cli_reliability import one_error_line, run_cli
+from test_cli_reliability import one_error_line
 
 av = pytest.importorskip("av")
 
@@ -55,14 +55,14 @@ def media(tmp_path_factory):
     return root
 
 
-def test_a_ref2va_run_writes_the_video(media, tiny_cache, tmp_path):
+def test_a_ref2va_run_writes_the_video(media, run_cli, tmp_path):
     out = tmp_path / "ref.mp4"
-    done = run_cli(["a fox sings", "--partition", "ref2va", "--ref-image", str(media / "subject.png"),
+    done = run_cli(["generate", "a fox sings", "--partition", "ref2va", "--ref-image", str(media / "subject.png"),
                     "--ref-video", str(media / "motion.mp4"), "--ref-video", str(media / "silent.mp4"),
                     "--ref-audio", str(media / "voice.wav"), "--steps", "2", "--out", str(out)],
-                   tiny_cache, tmp_path)
-    assert done.returncode == 0, done.stderr.decode()
-    assert f"wrote {out}" in done.stdout.decode()
+                   tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert f"wrote {out}" in done.stdout
     with av.open(str(out)) as container:
         assert container.streams.video[0].frames == 39 and container.streams.audio
 
@@ -95,13 +95,13 @@ def test_a_ref2va_run_writes_the_video(media, tiny_cache, tmp_path):
                 str(m / "subject.png")],
      "error: --first-frame / --last-frame cannot be combined with --ref-image / --ref-video / --ref-audio"),
 ])
-def test_bad_reference_flags_get_one_error_line(media, tiny_cache, tmp_path, flags, message):
-    done = run_cli(["a fox", "--out", str(tmp_path / "x.mp4"), *flags(media)], tiny_cache, tmp_path)
+def test_bad_reference_flags_get_one_error_line(media, run_cli, tmp_path, flags, message):
+    done = run_cli(["generate", "a fox", "--out", str(tmp_path / "x.mp4"), *flags(media)], tmp_path)
     assert message.format(m=media) in one_error_line(done)
 
 
-def test_a_video_reference_too_short_for_the_text_encoder(media, tiny_cache, tmp_path):
+def test_a_video_reference_too_short_for_the_text_encoder(media, run_cli, tmp_path):
     short = write_clip(tmp_path / "short.mp4", frames=10, rate=24, sound=False)
-    done = run_cli(["a fox", "--partition", "ref2va", "--ref-video", str(short), "--out", str(tmp_path / "x.mp4")],
-                   tiny_cache, tmp_path)
+    done = run_cli(["generate", "a fox", "--partition", "ref2va", "--ref-video", str(short), "--out",
+                    str(tmp_path / "x.mp4")], tmp_path)
     assert f"error: --ref-video {short}: the video has 10 frames at 24 fps" in one_error_line(done)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_fixtures import default_sigint
 from videos_api_server import Behaviour, VideosApiServer, make_mp4, source_frames
 
 from h3_core.errors import H3Error, RemoteError
@@ -282,21 +283,15 @@ def test_the_api_key_comes_from_the_environment_and_never_appears_in_a_message(m
 # ---- the CLI ------------------------------------------------------------------------------------------------------
 
 
-def run_cli(args, cwd, **env):
-    environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8", **env)
-    return subprocess.run([sys.executable, "-m", "h3_core", "generate", *args], cwd=cwd, env=environment,
-                          capture_output=True, text=True, timeout=120)
-
-
 CLI_REQUEST = ["--size", "96x64", "--frames", "5", "--steps", "3"]
 
 
-def test_the_cli_writes_the_same_kind_of_mp4_from_a_remote_job(tmp_path):
+def test_the_cli_writes_the_same_kind_of_mp4_from_a_remote_job(run_cli, tmp_path):
     import av
 
     with VideosApiServer(Behaviour(polls_until_done=0)) as server:
-        done = run_cli(["A fox.", "--server", server.url, *CLI_REQUEST, "--model", "/models/H3", "--out", "fox.mp4"],
-                       tmp_path, H3_STREAM_API_KEY=KEY)
+        done = run_cli(["generate", "A fox.", "--server", server.url, *CLI_REQUEST, "--model", "/models/H3", "--out",
+                        "fox.mp4"], tmp_path, H3_STREAM_API_KEY=KEY)
     assert done.returncode == 0, done.stderr
     assert "note: --model is ignored with --server" in done.stdout
     assert "wrote fox.mp4\n" in done.stdout
@@ -308,10 +303,10 @@ def test_the_cli_writes_the_same_kind_of_mp4_from_a_remote_job(tmp_path):
     assert KEY not in done.stdout + done.stderr
 
 
-def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(tmp_path):
+def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(run_cli, tmp_path):
     behaviour = Behaviour(create_errors=[(400, {"detail": "Invalid request body: seed"})], required_key=None)
     with VideosApiServer(behaviour) as server:
-        done = run_cli(["x", "--server", server.url, *CLI_REQUEST, "--out", "x.mp4"], tmp_path)
+        done = run_cli(["generate", "x", "--server", server.url, *CLI_REQUEST, "--out", "x.mp4"], tmp_path)
     assert done.returncode == 2
     error_lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert error_lines == [f"error: the server refused POST {server.url}/v1/videos (HTTP 400): Invalid request body: "
@@ -319,12 +314,12 @@ def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(tmp_path):
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
 
 
-def test_the_cli_refuses_local_loras_with_a_server(tmp_path):
+def test_the_cli_refuses_local_loras_with_a_server(run_cli, tmp_path):
     lora = tmp_path / "turbo.safetensors"
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(1)}, str(lora))
-    done = run_cli(["x", "--server", "http://127.0.0.1:9", *CLI_REQUEST, "--lora", str(lora)], tmp_path)
+    done = run_cli(["generate", "x", "--server", "http://127.0.0.1:9", *CLI_REQUEST, "--lora", str(lora)], tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("error: --lora: a remote server applies its own LoRAs")
 
 
@@ -333,7 +328,8 @@ def test_ctrl_c_in_the_cli_cancels_the_remote_job_and_writes_nothing(tmp_path):
         environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8")
         process = subprocess.Popen([sys.executable, "-m", "h3_core", "generate", "x", "--server", server.url,
                                     *CLI_REQUEST, "--out", "x.mp4"], cwd=tmp_path, env=environment,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=default_sigint)
         try:
             deadline = time.monotonic() + 60
             while not server.requests("GET", "^/v1/videos/video_1$") and time.monotonic() < deadline:
@@ -353,8 +349,8 @@ def test_ctrl_c_in_the_cli_cancels_the_remote_job_and_writes_nothing(tmp_path):
     ("http://me:secret@gpu-box:30010", "error: --server: do not put credentials in the address; set the API key in "
                                        "the H3_STREAM_API_KEY environment variable instead."),
 ])
-def test_a_bad_server_flag_is_one_line_with_exit_code_2(server, message, tmp_path):
-    done = run_cli(["x", "--server", server, *CLI_REQUEST], tmp_path)
+def test_a_bad_server_flag_is_one_line_with_exit_code_2(server, message, run_cli, tmp_path):
+    done = run_cli(["generate", "x", "--server", server, *CLI_REQUEST], tmp_path)
     assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
     assert "secret" not in done.stderr
 
