@@ -22,6 +22,7 @@ from ..errors import CheckpointError
 from ..models.audio_vae import PUBLISHED_LATENTS_MEAN as AUDIO_PUBLISHED_MEAN
 from ..models.audio_vae import PUBLISHED_LATENTS_STD as AUDIO_PUBLISHED_STD
 from ..models.audio_vae import WEIGHT_NORM_MODULES, AudioVAE, AudioVAEConfig, fold_weight_norm
+from ..models.meta_models import meta_model
 from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (AUDIO_DETECT_KEY, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes, count_indexed,
@@ -38,8 +39,7 @@ AUDIO_PHASE_SCOPED = {"encoder": ("encoder.", "pre_block.", "mean_proj.", "logs_
 
 def _audio_plan(config: AudioVAEConfig, spelling: tuple[str, str] | None, prefix: str = "") -> list[WeightSpec]:
     """`spelling` is the (g, v) key suffix pair for layouts that store weight norm; None when it is folded."""
-    with torch.device("meta"):
-        model = AudioVAE(config)
+    model = meta_model(AudioVAE, config)
     # Modules whose `weight` the original checkpoint stores as a weight-norm pair.
     normed = {name for name, module in model.named_modules() if isinstance(module, WEIGHT_NORM_MODULES)}
     if not spelling:

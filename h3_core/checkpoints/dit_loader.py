@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..errors import CheckpointError
 from ..models.dit import H3DiT, RotaryEmbedding3D
 from ..models.dit_config import DIFFUSERS_CLASS_NAME, NATIVE_CLASS_NAME, H3DiTConfig
+from ..models.meta_models import meta_model
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
@@ -72,8 +73,7 @@ _DIFFUSERS_GLOBALS = {
 
 def _expected_tensors(config: H3DiTConfig) -> dict[str, tuple[int, ...]]:
     """Every parameter and persistent buffer of the model with its shape."""
-    with torch.device("meta"):
-        model = H3DiT(config)
+    model = meta_model(H3DiT, config)
     out = {name: tuple(p.shape) for name, p in model.named_parameters()}
     out.update({name: tuple(b.shape) for name, b in model.named_buffers()})
     return out

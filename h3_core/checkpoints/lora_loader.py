@@ -36,6 +36,7 @@ import torch
 from ..errors import CheckpointError
 from ..models.dit import H3DiT
 from ..models.dit_config import H3DiTConfig
+from ..models.meta_models import meta_model
 from ..runtime.file_reads import FileReader
 from .safetensors_io import SafetensorsFile, refuse_pickle
 
@@ -340,9 +341,7 @@ def _placed(update: Update, part, interleaved: bool, config: H3DiTConfig | None)
 
 
 def _parameter_shapes(config: H3DiTConfig) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        model = H3DiT(config)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in meta_model(H3DiT, config).named_parameters()}
 
 
 def check_against(lora: LoraFile, config: H3DiTConfig, shapes: dict | None = None) -> None:

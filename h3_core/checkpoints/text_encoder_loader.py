@@ -25,6 +25,7 @@ from typing import Mapping
 import torch
 
 from ..errors import CheckpointError, H3Error
+from ..models.meta_models import meta_model
 from ..models.text_encoder import DecoderLayer, LanguageModelConfig, TextEncoder, TextEncoderConfig
 from ..models.tokenizer import H3_EXTRA_FIRST_ID, H3_EXTRA_TOKENS, TOKENIZER_FILE, H3Tokenizer
 from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
@@ -57,8 +58,7 @@ _LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
 
 def _plan(config: TextEncoderConfig, layer: int, language_prefix: str, vision_prefix: str | None) -> list[WeightSpec]:
     """One stored tensor per parameter, under the checkpoint's prefixes."""
-    with torch.device("meta"):
-        model = TextEncoder(config, layer)
+    model = meta_model(TextEncoder, config, layer)
     prefixes = {"language_model.": language_prefix, "vision_tower.": vision_prefix}
     specs = []
     for name, param in model.named_parameters():
@@ -68,8 +68,7 @@ def _plan(config: TextEncoderConfig, layer: int, language_prefix: str, vision_pr
 
 
 def _layer_parameter_names(config: LanguageModelConfig) -> set[str]:
-    with torch.device("meta"):
-        return {name for name, _ in DecoderLayer(config).named_parameters()}
+    return {name for name, _ in meta_model(DecoderLayer, config).named_parameters()}
 
 
 def never_read_by_h3(key: str, layer: int) -> bool:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from ..errors import CheckpointError, H3Error
 from ..json_values import is_positive_real, is_whole
+from ..models.meta_models import meta_model
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.layerwise import LayerwiseOffloadManager
@@ -29,9 +30,7 @@ COMFY_PREFIXES = ("vae.", "first_stage_model.")
 
 def state_shapes(model_cls, config) -> dict[str, tuple[int, ...]]:
     """Shape of every state-dict entry of `model_cls(config)`, built on the meta device."""
-    with torch.device("meta"):
-        model = model_cls(config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in meta_model(model_cls, config).state_dict().items()}
 
 
 def latent_stats(raw: dict, path: Path, channels: int, required: bool):

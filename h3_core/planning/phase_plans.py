@@ -28,6 +28,7 @@ from ..checkpoints.video_vae_loader import VIDEO_PHASE_SCOPED, resolve_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
+from ..models.meta_models import meta_model
 from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 from ..runtime.chunking import projection_elements_per_row
 from ..runtime.platform import Platform
@@ -209,8 +210,7 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
         if name == "video_vae":
             unit_of = lambda n: n.split(".")[2] if n.startswith("decoder.transformer_blocks.") else None  # noqa: E731
         else:
-            with torch.device("meta"):
-                decoder = AudioVAE(ckpt.config).decoder
+            decoder = meta_model(AudioVAE, ckpt.config).decoder
             stages = [tuple(f"decoder.{p}" for p in decoder.stage_prefixes(i)) for i in range(len(decoder.ups))]
             unit_of = lambda n: next((str(i) for i, p in enumerate(stages) if n.startswith(p)), None)  # noqa: E731
         g, dequantised_unit, dequantised_extra = _weight_groups(
