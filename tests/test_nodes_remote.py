@@ -15,6 +15,15 @@ REQUEST = dict(prompt="A fox in the snow.", width=96, height=64, seconds=1.0, fr
                video_shift=12.0, audio_shift=3.0)
 
 
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    """The node polls a job every 2 s, as it should a real server; the stand-in answers at once, so poll it often."""
+    from h3_core.remote import RemoteEngine
+
+    monkeypatch.setitem(RemoteEngine.__init__.__kwdefaults__, "poll_interval", 0.01)
+    monkeypatch.setitem(RemoteEngine.__init__.__kwdefaults__, "backoff", 0.01)
+
+
 @pytest.fixture
 def pack(tmp_path):
     comfy_double.install(tmp_path / "comfyui")
