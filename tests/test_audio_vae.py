@@ -175,5 +175,12 @@ def test_option_and_input_errors(checkpoints, vae):
     _one_error(lambda: vae.encode(torch.zeros(1, 1, 800)), H3Error, "[B, 2, samples]", "Duplicate a mono track")
 
 
+def test_encode_refuses_a_mono_or_unbatched_waveform(vae):
+    with pytest.raises(H3Error, match="32000 Hz"):
+        vae.encode(torch.zeros(1, 1, 1600))  # mono
+    with pytest.raises(H3Error, match="32000 Hz"):
+        vae.encode(torch.zeros(2, 1600))  # no batch axis
+
+
 def test_public_api_exports():
     assert h3_core.load_audio_vae is load_audio_vae

@@ -1,5 +1,6 @@
 """Chunked streamed DiT forward: same numbers as the fused forward, bounded temporaries, no extra linear work,
-chunk size from a memory budget, the between-chunks hook, and option errors.
+chunk size from a memory budget, the MPS caps that bind every chunk size (and the nodes' chunk_size widgets), the
+between-chunks hook, and option errors.
 
 Bitwise claims and the CPU BLAS: MKL picks different sgemm kernels for calls with fewer than about 12 rows (1-3 rows
 on one thread, any count below 12 that is not a multiple of 4 on two), so a 1- or 7-row chunk of a linear layer can
@@ -21,6 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import h3_core
 from h3_core.runtime import (FUSED, ChunkingBackend, Platform, ChunkingError, ChunkingPolicy, EveryNChunks, RowChunks,
                               chunk_rows_for_budget, projection_elements_per_row)
+from h3_core.runtime.chunking import ChunkSizeClamped
 from h3_core.models.dit_config import NUM_MODALITIES, H3DiTConfig
 from h3_fixtures import TINY, cast_like_release, packed_inputs, reference_model, rel_l2, save_comfy
 
@@ -476,3 +478,49 @@ def test_fused_and_chunked_enter_the_same_attention_and_mlp_code(model, inputs, 
     assert calls["mlp_rows"] == [text_rows] * refiners + [64, 64, ROWS - 128] * blocks
     assert all(torch.equal(a, b) for a, b in zip(fused, fused_output))  # the counting wrappers change nothing
     assert all(rel_l2(a, b) <= 1e-6 for a, b in zip(chunked, fused_output))
+
+
+# ---- the MPS chunk caps bind every chunk size -----------------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def mps_plan(rows, config=H3, **policy):
+    return ChunkingPolicy(backend=MPS, **policy).plan(rows, config, batch=1, dtype=torch.bfloat16, device="cpu")
+
+
+def score_bytes(query_rows, key_rows, config=H3):
+    return config.num_attention_heads * query_rows * key_rows * 2  # MPS materialises [heads, q, k] in bf16
+
+
+def test_an_explicit_chunk_size_is_clamped_to_the_mps_caps_with_a_warning():
+    with pytest.warns(ChunkSizeClamped, match="chunk_size 8192 is above what mps allows for 48768 packed rows; "
+                                              "using 768 rows per chunk"):
+        chunks = mps_plan(48_768, chunk_size=8192)
+    assert chunks.size == chunks.query_size == 768 and score_bytes(768, 48_768) <= 4 * GiB
+    # Above 12,288 rows at most 2048 query rows, even where the 4 GiB buffer limit would allow more.
+    narrow = H3DiTConfig(num_attention_heads=8, attention_head_dim=128, hidden_size=1024, time_embed_hidden_dim=1024)
+    with pytest.warns(ChunkSizeClamped):
+        assert mps_plan(12_400, narrow, chunk_size=4096).size == 2048
+    # Sizes within the caps are kept as asked (no warning); the caps are MPS's, not CUDA's.
+    assert mps_plan(48_768, chunk_size=512).size == 512
+    cuda = ChunkingPolicy(chunk_size=8192, backend=Platform("cuda").chunking)
+    assert cuda.plan(48_768, H3, batch=1, dtype=torch.bfloat16, device="cpu").size == 8192
+
+
+def test_no_default_or_budget_derived_size_exceeds_the_mps_buffer_cap():
+    # Two million rows: a 4 GiB score buffer holds 19 query rows, below the 64-row floor of budget-derived sizes.
+    rows = 2_000_000
+    for policy in ({}, {"memory_budget": 1}, {"memory_budget": 64 * GiB}):
+        size = mps_plan(rows, **policy).size
+        assert size is not None and score_bytes(size, rows) <= 4 * GiB, policy
+
+
+def test_node_chunk_size_widgets_are_capped(tmp_path):
+    import comfy_double
+
+    comfy_double.install(tmp_path / "comfyui")
+    pack = comfy_double.load_pack()
+    for node_id in ("H3StreamLoader", "H3StreamSampler"):
+        widget, = [i for i in pack[node_id].GET_SCHEMA().inputs if i.id == "chunk_size"]
+        assert widget.max == 1 << 16, node_id

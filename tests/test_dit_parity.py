@@ -1,4 +1,5 @@
-"""The H3 DiT against the reference (diffusers MiniMaxH3Transformer3DModel) in all three checkpoint layouts."""
+"""The H3 DiT against the reference (diffusers MiniMaxH3Transformer3DModel) in all three checkpoint layouts, and its
+diffusers-style output (`return_dict=True`)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,19 @@ def test_config_read_from_each_layout(fp32_checkpoints):
     for kind, path in paths.items():
         assert h3_core.resolve_dit_checkpoint(path).config == config, kind
 
+
+
+def test_return_dict_gives_diffusers_output_fields(fp32_checkpoints):
+    config, reference, paths = fp32_checkpoints
+    inputs = packed_inputs(config, seed=4)
+    model = h3_core.load_dit(paths["diffusers"])
+    with torch.no_grad():
+        expected = reference(**inputs)  # diffusers' default: return_dict=True
+        out = model(**inputs, return_dict=True)
+        plain = model(**inputs)
+    assert type(plain) is tuple and len(plain) == 2
+    assert rel_l2(out.sample, expected.sample) <= 1e-5 and rel_l2(out.audio_sample, expected.audio_sample) <= 1e-5
+    assert torch.equal(out.sample, plain[0]) and torch.equal(out.audio_sample, plain[1])
 
 @pytest.fixture(scope="module")
 def bf16_checkpoints(tmp_path_factory):

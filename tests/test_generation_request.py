@@ -131,3 +131,45 @@ def test_each_request_rule_has_one_definition():
         assert places == {"canvas multiple": ["h3_core/request/grid.py"], "frame grid": ["h3_core/request/grid.py"],
                           "seed range": ["h3_core/request/generation_request.py"]}[rule], (rule, places)
     assert canvas_problem(4096) is None and frame_count_problem(MAX_FRAMES) is None
+
+
+# ---- the pipeline's own surface: prompts and sizes through H3Pipeline.generate -----------------------------------
+
+PIPELINE_REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
+
+
+def test_empty_and_very_long_prompts(tiny):
+    from h3_core.pipeline import H3Pipeline
+    from h3_core.sources import resolve_model
+
+    pipe = H3Pipeline(resolve_model(tiny), keep_text_encoder=True)
+    result = pipe.generate("", **PIPELINE_REQUEST)  # one <|endoftext|> token
+    assert result.frames.shape == (5, 64, 64, 3)
+    with pytest.raises(H3Error, match="at most 4096 are accepted"):
+        pipe.generate("fox " * 5000, **PIPELINE_REQUEST)
+    with pytest.raises(H3Error, match="prompt must be a string"):
+        pipe.generate(None, **PIPELINE_REQUEST)
+    pipe.release_all()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny):
+    """One pipeline for the refusals below: a request is checked before anything loads, so none changes it."""
+    from h3_core.pipeline import H3Pipeline
+    from h3_core.sources import resolve_model
+
+    pipe = H3Pipeline(resolve_model(tiny))
+    yield pipe
+    pipe.release_all()
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(width=100), "width 100 is not a positive multiple of 32"),
+    (dict(height=0), "height 0 is not a positive multiple of 32"),
+    (dict(num_frames=40), r"num_frames 40 is off the 17n \+ 5 frame grid .*; use 56"),
+    (dict(steps=1), "steps 1: must be at least 2"),
+])
+def test_bad_request_sizes(pipeline, kwargs, message):
+    with pytest.raises(H3Error, match=message):
+        pipeline.generate("x", **dict(PIPELINE_REQUEST, **kwargs))
+    assert pipeline.loaded == ()

@@ -1,4 +1,5 @@
-"""Layerwise offload on the CPU used as the device: exactness, the residency bound, protocol, restore, host stores.
+"""Layerwise offload on the CPU used as the device: exactness, the residency bound, protocol, restore (a manager's
+close() and `H3DiT.close()`, which keeps the streamed weights' LoRAs), host stores.
 
 The oracle is the resident path of the same loader on the same file: the synchronous backend and the slot backend
 (whose streams and events are inline on the CPU) run the same kernels, so outputs must match bit for bit.
@@ -12,6 +13,7 @@ import torch.nn as nn
 from h3_fixtures import packed_inputs
 from offload_fixtures import SMALL, random_dit, random_state, same_outputs, save_comfy, save_diffusers, save_native
 from residency_probe import MaterialisationCensus
+from safetensors.torch import save_file
 
 import h3_core
 from h3_core.runtime import (AllResident, AsyncBackend, LayerwiseOffloadManager, Platform, Residency, ResidencyError,
@@ -292,6 +294,38 @@ def test_close_gives_a_loaded_model_its_host_tensors(checkpoints, inputs, refere
     assert all(is_materialised(b) for b in model.blocks) and is_materialised(model.token_refiner)
     with torch.no_grad():
         assert same_outputs(model(**inputs), reference)
+
+
+def forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def test_h3dit_close_leaves_a_layerwise_transformer_usable_and_resident(checkpoints, inputs, reference):
+    model = h3_core.load_dit(checkpoints["native"], residency="layerwise")
+    forward(model, inputs)
+    model.close()
+    assert isinstance(model.block_residency, AllResident) and isinstance(model.adaln_residency, AllResident)
+    assert all(p.numel() > 1 for p in model.parameters())  # no placeholder is left bound
+    assert same_outputs(forward(model, inputs), reference)
+    model.close()  # idempotent
+    assert same_outputs(forward(model, inputs), reference)
+
+
+def test_h3dit_close_keeps_the_loras_of_the_streamed_weights(checkpoints, inputs, reference, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    inner, hidden, ffn = SMALL.inner_dim, SMALL.hidden_size, SMALL.ffn_dim
+    lora = {"blocks.1.attn.qkv_proj.lora_A.weight": torch.randn(2, hidden, generator=g),
+            "blocks.1.attn.qkv_proj.lora_B.weight": torch.randn(3 * inner, 2, generator=g) * 0.3,
+            "blocks.2.mlp.fc1.lora_A.weight": torch.randn(2, hidden, generator=g),
+            "blocks.2.mlp.fc1.lora_B.weight": torch.randn(2 * ffn, 2, generator=g) * 0.3}
+    path = tmp_path / "lora.safetensors"
+    save_file(lora, str(path))
+    with_lora = forward(h3_core.load_dit(checkpoints["native"], loras=[(path, 0.7)]), inputs)
+    assert not torch.equal(with_lora[0], reference[0])
+    model = h3_core.load_dit(checkpoints["native"], residency="layerwise", loras=[(path, 0.7)])
+    model.close()
+    assert same_outputs(forward(model, inputs), with_lora)
 
 
 # ---- protocol -----------------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""NaN/Inf messages name the stage and tensor actually at fault and give advice that fits the run's dtype.
+"""NaN/Inf: named after the stage and tensor at fault, with advice that fits the run's dtype.
 
-Before: NaN from the video VAE's encoder (the keyframe path), `video_shift=inf` and a NaN noise (epsilon) input all
-surfaced as "the transformer produced NaN/Inf ... Run in float32 or bfloat16 rather than float16", on float32 runs too.
+A corrupt weight of each component is named with its file and key once a run reveals it; a NaN keyframe latent names
+the video VAE's encoder, a non-finite shift names the shift, a NaN noise input names the sampler input (all three once
+surfaced as "the transformer produced NaN/Inf ... Run in float32 or bfloat16 rather than float16", on float32 runs
+too); non-finite latents are refused before decoding, by the pipeline and the decode nodes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,32 @@ from h3_core.pipeline import H3Pipeline
 from h3_core.sources import resolve_model
 
 REQUEST = dict(width=64, height=64, num_frames=5, steps=3, seed=5)
+
+
+# ---- corrupt weights: the file and tensor -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("component,key,value,message", [
+    ("diffusion_models/*fl2va*.safetensors", "blocks.1.mlp.fc2.weight", float("nan"),
+     "the transformer produced NaN/Inf"),
+    ("vae/minimax_h3_video_vae*.safetensors", "decoder.transformer_blocks.0.ff.w2.weight", float("inf"),
+     "the video VAE produced NaN/Inf"),
+    ("vae/minimax_h3_audio_vae*.safetensors", "decoder.conv_post.weight", float("nan"),
+     "the audio VAE produced NaN/Inf"),
+    ("text_encoders/*/model.safetensors", "model.language_model.layers.0.mlp.down_proj.weight", float("nan"),
+     "the text encoder produced NaN/Inf"),
+])
+def test_non_finite_weights_are_named(tiny, tmp_path, component, key, value, message):
+    root, path = tiny_copy_with(tiny, tmp_path, component, key, value)
+    pipe = H3Pipeline(resolve_model(root))
+    with pytest.raises(H3Error) as info:
+        pipe.generate("a red fox", **REQUEST)
+    pipe.release_all()
+    text = str(info.value)
+    assert str(path) in text and f"'{key}'" in text and message in text and "download it again" in text
+
+
+# ---- the stage at fault and its inputs --------------------------------------------------------------------------
 
 
 def test_a_nan_keyframe_latent_names_the_video_vae_encoder_not_the_transformer(tiny, tmp_path):
@@ -68,10 +96,12 @@ OVERFLOW = 3e38  # finite in float32 and bfloat16; any product with it overflows
 @pytest.mark.parametrize("dtype,advice", [
     (None, "the run is already float32, so this is not a precision problem: check the inputs of this stage and the "
            "component's config values (eps, scales), or report it with the request that caused it."),
-    (torch.bfloat16, "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."),
+    (torch.bfloat16,
+     "the numbers overflowed or lost precision in bfloat16. Set the dtype to float32 to rule that out."),
 ])
 def test_transformer_overflow_advice_fits_the_run_dtype(tiny, tmp_path, dtype, advice):
-    root, _ = tiny_copy_with(tiny, tmp_path, "diffusion_models/*fl2va*.safetensors", "blocks.1.mlp.fc2.weight", OVERFLOW)
+    root, _ = tiny_copy_with(tiny, tmp_path, "diffusion_models/*fl2va*.safetensors", "blocks.1.mlp.fc2.weight",
+                             OVERFLOW)
     pipe = H3Pipeline(resolve_model(root), dtype=dtype)
     with pytest.raises(H3Error) as error:
         pipe.generate("a fox", **REQUEST)
