@@ -11,14 +11,14 @@ read into the process's own memory) is the control showing that the measurement 
 Raw RssAnon also counts freed heap pages glibc keeps for reuse (the transient copies of one block and of the text
 refiner: 27-45 MB, varying with heap layout), so the comparisons use the memory in use, read after malloc_trim(0).
 
-Each case runs in its own fresh process, all five side by side (`measured` says why not several in one).
+Each case runs in its own process, forked from one that imported torch once, all five side by side (`measured` says
+why not several cases in one process).
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,13 +41,13 @@ BIG = H3DiTConfig(
 )
 
 MEASURE = r"""
-import ctypes, json, sys
+import ctypes, json, os, sys, traceback
 sys.path.insert(0, "tests")
 import torch
 import h3_core
 from h3_core.models.dit_config import H3DiTConfig
 from h3_fixtures import packed_inputs
-from child_cases import report_cases
+from child_cases import CASE_LINE
 
 def rss_anon():
     for line in open("/proc/self/status"):
@@ -59,15 +59,13 @@ def rss_anon_in_use():
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     return rss_anon()
 
-torch.set_num_threads(1)
-with torch.no_grad():  # warm the kernels and allocator arenas the forward will use, outside the measurement
-    a, b = torch.randn(64, 512), torch.randn(512, 512)
-    (a @ b).sum(); torch.nn.functional.scaled_dot_product_attention(*[torch.randn(1, 4, 64, 128)] * 3)
-
 def measure(case):
     folder, residency, lora = case["folder"], case["residency"], case.get("lora")
     config = H3DiTConfig.from_dict(json.load(open(folder + "/config.json")))
     inputs = packed_inputs(config, text_len=9, latent_frames=3, latent_hw=(4, 6), audio_latents=7)
+    with torch.no_grad():  # warm the kernels and allocator arenas the forward will use, outside the measurement
+        a, b = torch.randn(64, 512), torch.randn(512, 512)
+        (a @ b).sum(); torch.nn.functional.scaled_dot_product_attention(*[torch.randn(1, 4, 64, 128)] * 3)
     before = rss_anon_in_use()
     model = h3_core.load_dit(folder, residency=residency, loras=[(lora, 1.0)] if lora else [])
     loaded = rss_anon()
@@ -81,7 +79,32 @@ def measure(case):
     return {"before": before, "loaded": loaded, "after": after, "after_in_use": after_in_use,
             "second_in_use": second_in_use}
 
-report_cases(measure)
+# Imported once, then one forked process per case, all at once: each case starts from this process's state (as
+# freshly imported as a new interpreter's) and no case sees another's allocations.
+torch.set_num_threads(1)
+children = {}
+for case, parameters in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 1
+        try:
+            os.write(write, json.dumps(measure(parameters)).encode())
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    children[case] = (pid, read)
+for case, (pid, read) in children.items():
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    print(CASE_LINE + json.dumps([case, {"exit": os.waitstatus_to_exitcode(status),
+                                         "readings": json.loads(data) if data else None}]), flush=True)
 """
 
 
@@ -122,13 +145,14 @@ def write_block_lora(path: Path, config: H3DiTConfig, rank: int = 16) -> Path:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Every case measured once, each in its own fresh process, all side by side; case id -> the child's readings,
-    with `growth`, `in_use` and `file` added.
+    """Every case measured once, each in its own process, all side by side; case id -> the readings, with
+    `growth`, `in_use` and `file` added.
 
-    One process per case, not several cases one after another in one process: the cases before disturb the
-    readings. Measured so, after a throw-away first case, the raw growth of a forward was +80 MB instead of +46 MB
-    (the first case's frees raise glibc's mmap threshold, so later transients stay in the heap) and one LoRA case
-    read 3.2 MB in use instead of ~37 MB (memory of the case before was still being freed), hiding what is tested.
+    One child imports torch and h3_core once and forks a process per case: each case starts from the state a fresh
+    interpreter has after those imports, and sees no other case's allocations. Not several cases one after another
+    in one process: the cases before disturb the readings. Measured so, after a throw-away first case, the raw
+    growth of a forward was +80 MB instead of +46 MB (the first case's frees raise glibc's mmap threshold, so later
+    transients stay in the heap) and one LoRA case read 3.2 MB in use instead of ~37 MB, hiding what is tested.
     """
     root = tmp_path_factory.mktemp("host_memory")
     state = random_state(BIG, seed=1)
@@ -141,14 +165,12 @@ def measured(tmp_path_factory):
     cases = {**{f"layerwise-{n}": dict(folder=str(folders[n]), residency="layerwise") for n in (8, 16)},
              "resident-16": dict(folder=str(big), residency="resident"),
              **{f"lora-{n}": dict(folder=str(folders[n]), residency="layerwise", lora=str(loras[n])) for n in (8, 16)}}
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    with ThreadPoolExecutor(len(cases)) as pool:
-        children = {case: pool.submit(run_cases, MEASURE, {case: parameters}, timeout_s=300, env=env)
-                    for case, parameters in cases.items()}
-        outcomes = {case: child.result()[case] for case, child in children.items()}
+    outcomes = run_cases(MEASURE, cases, timeout_s=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     out = {}
     for case, parameters in cases.items():
-        result = dict(outcomes[case].value())
+        child = outcomes[case].value()
+        assert child["exit"] == 0, f"{case}: the measuring process exited with {child['exit']} (its stderr is above)"
+        result = dict(child["readings"])
         result["growth"] = result["after"] - result["before"]
         result["in_use"] = result["after_in_use"] - result["before"]
         result["file"] = (Path(parameters["folder"]) / "model.safetensors").stat().st_size
