@@ -6,11 +6,13 @@ order and, after each, prints `CASE_LINE` + JSON [case id, result] (`report_case
 does not come within `timeout_s` of the previous one (or of the start) is killed; a child that dies is attributed
 to the first case without a line, and a fresh child runs the cases after it, so every case gets its own outcome.
 Paying the interpreter and torch import once instead of once per case is the point (~1.3 s each).
+`report_forked_cases` is the variant for memory probes: one process per case, forked after the imports.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -38,6 +40,46 @@ def report_cases(run_case) -> None:
     """The child's side: `run_case(parameters)` for each case given on argv[1], its result printed as it ends."""
     for case, parameters in json.loads(sys.argv[1]):
         print(CASE_LINE + json.dumps([case, run_case(parameters)]), flush=True)
+
+
+def report_forked_cases(run_case) -> None:
+    """The child's side, for measurements that need a fresh process per case: this process (imports done) forks
+    one process per case given on argv[1], all at once; each runs `run_case(parameters)`, so each starts from this
+    process's state, as freshly imported as a new interpreter's, and sees no other case's allocations. A case's
+    result is {"exit": its process's exit status, "result": what `run_case` returned, or None}."""
+    children = {}
+    for case, parameters in json.loads(sys.argv[1]):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            code = 1
+            try:
+                os.write(write, json.dumps(run_case(parameters)).encode())
+                code = 0
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        os.close(write)
+        children[case] = (pid, read)
+    for case, (pid, read) in children.items():
+        with os.fdopen(read, "rb") as pipe:
+            data = pipe.read()
+        _, status = os.waitpid(pid, 0)
+        result = {"exit": os.waitstatus_to_exitcode(status), "result": json.loads(data) if data else None}
+        print(CASE_LINE + json.dumps([case, result]), flush=True)
+
+
+def forked_result(outcome: Outcome):
+    """What `report_forked_cases` reported for a case: `run_case`'s result, failing the test if its process failed."""
+    child = outcome.value()
+    assert child["exit"] == 0, f"the case's process exited with {child['exit']} (its stderr is above)"
+    return child["result"]
 
 
 def run_cases(script: str, cases: dict[str, object], *, timeout_s: float, env=None, cwd=ROOT) -> dict[str, Outcome]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from child_cases import run_cases
+from child_cases import forked_result, run_cases
 from h3_core.checkpoints.dit_loader import _offloaded
 from h3_core.models.dit import H3DiT, RotaryEmbedding3D
 from h3_core.models.dit_config import H3DiTConfig
@@ -41,13 +41,13 @@ BIG = H3DiTConfig(
 )
 
 MEASURE = r"""
-import ctypes, json, os, sys, traceback
+import ctypes, json, sys
 sys.path.insert(0, "tests")
 import torch
 import h3_core
 from h3_core.models.dit_config import H3DiTConfig
 from h3_fixtures import packed_inputs
-from child_cases import CASE_LINE
+from child_cases import report_forked_cases
 
 def rss_anon():
     for line in open("/proc/self/status"):
@@ -79,32 +79,8 @@ def measure(case):
     return {"before": before, "loaded": loaded, "after": after, "after_in_use": after_in_use,
             "second_in_use": second_in_use}
 
-# Imported once, then one forked process per case, all at once: each case starts from this process's state (as
-# freshly imported as a new interpreter's) and no case sees another's allocations.
 torch.set_num_threads(1)
-children = {}
-for case, parameters in json.loads(sys.argv[1]):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        code = 1
-        try:
-            os.write(write, json.dumps(measure(parameters)).encode())
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os._exit(code)
-    os.close(write)
-    children[case] = (pid, read)
-for case, (pid, read) in children.items():
-    with os.fdopen(read, "rb") as pipe:
-        data = pipe.read()
-    _, status = os.waitpid(pid, 0)
-    print(CASE_LINE + json.dumps([case, {"exit": os.waitstatus_to_exitcode(status),
-                                         "readings": json.loads(data) if data else None}]), flush=True)
+report_forked_cases(measure)
 """
 
 
@@ -168,9 +144,7 @@ def measured(tmp_path_factory):
     outcomes = run_cases(MEASURE, cases, timeout_s=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     out = {}
     for case, parameters in cases.items():
-        child = outcomes[case].value()
-        assert child["exit"] == 0, f"{case}: the measuring process exited with {child['exit']} (its stderr is above)"
-        result = dict(child["readings"])
+        result = dict(forked_result(outcomes[case]))
         result["growth"] = result["after"] - result["before"]
         result["in_use"] = result["after_in_use"] - result["before"]
         result["file"] = (Path(parameters["folder"]) / "model.safetensors").stat().st_size

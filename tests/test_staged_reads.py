@@ -5,13 +5,9 @@ SIGBUS) are in test_checkpoints_changed.py."""
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
-import subprocess
-import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from child_cases import forked_result, run_cases
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
 from h3_core.runtime import host_store
 from h3_core.runtime.host_store import HostTensor, PinBudget, PAGE_SIZE
@@ -246,60 +243,59 @@ def test_the_pin_budget_is_one_for_the_whole_process(tmp_path, monkeypatch):
     assert not pinner.registered
 
 
-ANON_CHILD = textwrap.dedent("""
+ANON_CHILD = textwrap.dedent(f"""
     import json, sys, torch
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
     from pathlib import Path
     from h3_core.checkpoints.safetensors_io import SafetensorsFile
     from h3_core.runtime.host_store import HostTensor, PinBudget
     from h3_core.runtime.layerwise import LayerwiseOffloadManager
     from h3_core.runtime.offload_backends import AsyncBackend
     from test_staged_reads import RecordingPinner, run_passes
+    from child_cases import report_forked_cases
 
     def anon():
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
+    def measure(case):
+        blocks, dim = case["blocks"], 2048
+        file = SafetensorsFile(Path(case["path"]))
+        recipes = [{{"weight": HostTensor.held(file.tensor(f"{{i}}.weight"))}} for i in range(blocks)]
+        # Untouched (never initialised) weights take no resident memory: the store is what is measured.
+        stack = torch.nn.ModuleList(torch.nn.utils.skip_init(torch.nn.Linear, dim, dim, bias=False)
+                                    for _ in range(blocks))
+        unit = dim * dim * 4
+        before = anon()
+        manager = LayerwiseOffloadManager(AsyncBackend("cpu", pin_budget=PinBudget(4 * unit),
+                                                       pinner=RecordingPinner()), prefetch=1).attach(stack, recipes)
+        x = torch.randn(4, dim)
+        with torch.no_grad():
+            run_passes(manager, stack, x, 2)
+        return {{"growth": anon() - before, "slots": manager.backend.slot_bytes(),
+                "ring": sum(b.numel() for b in manager.store._ring), "unit": unit,
+                "packed": len(manager.store.slabs), "pinned": manager.store.pinned_bytes}}
+
     torch.set_num_threads(1)
-    blocks, dim = {blocks}, 2048
-    file = SafetensorsFile(Path({path!r}))
-    recipes = [{{"weight": HostTensor.held(file.tensor(f"{{i}}.weight"))}} for i in range(blocks)]
-    # Untouched (never initialised) weights take no resident memory: the store is what is measured.
-    stack = torch.nn.ModuleList(torch.nn.utils.skip_init(torch.nn.Linear, dim, dim, bias=False) for _ in range(blocks))
-    unit = dim * dim * 4
-    before = anon()
-    manager = LayerwiseOffloadManager(AsyncBackend("cpu", pin_budget=PinBudget(4 * unit), pinner=RecordingPinner()),
-                                      prefetch=1).attach(stack, recipes)
-    x = torch.randn(4, dim)
-    with torch.no_grad():
-        run_passes(manager, stack, x, 2)
-    print(json.dumps({{"growth": anon() - before, "slots": manager.backend.slot_bytes(),
-                      "ring": sum(b.numel() for b in manager.store._ring), "unit": unit,
-                      "packed": len(manager.store.slabs), "pinned": manager.store.pinned_bytes}}))
+    report_forked_cases(measure)
 """)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon")
 def test_cuda_store_anonymous_memory_is_ring_plus_budget_whatever_the_model_size(tmp_path):
     dim = 2048
-
-    def measure(blocks):
-        # Each model size in its own fresh process, the two side by side: measured one after the other in one
-        # process, the first one's frees would change the heap the second is measured in (glibc's adaptive mmap
-        # threshold: the raw growth of test_host_memory's forward read +80 MB instead of +46 MB that way).
-        code = ANON_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(paths[blocks]), blocks=blocks)
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    paths = {}
+    cases = {}
     for blocks in (12, 24):  # 192 and 384 MiB of float32 weights; the pin budget is 4 units (64 MiB)
-        paths[blocks] = tmp_path / f"stack{blocks}.safetensors"
+        path = tmp_path / f"stack{blocks}.safetensors"
         g = torch.Generator().manual_seed(blocks)
-        save_file({f"{i}.weight": torch.randn(dim, dim, generator=g) * 0.03 for i in range(blocks)}, str(paths[blocks]))
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip((12, 24), pool.map(measure, (12, 24))))
+        save_file({f"{i}.weight": torch.randn(dim, dim, generator=g) * 0.03 for i in range(blocks)}, str(path))
+        cases[str(blocks)] = {"blocks": blocks, "path": str(path)}
+    # Each model size in its own process, forked from one child after its imports, the two side by side: measured
+    # one after the other in one process, the first one's frees would change the heap the second is measured in
+    # (glibc's adaptive mmap threshold: test_host_memory's forward read +80 MB instead of +46 MB that way).
+    outcomes = run_cases(ANON_CHILD, cases, timeout_s=300)
+    results = {blocks: forked_result(outcomes[str(blocks)]) for blocks in (12, 24)}
     for blocks, r in results.items():
         # The ring (read_ahead + 1 = 2 buffers) and the packed units (the budget less the ring's pins: 2 units) are
         # the host side; the 2 fixed slots stand for device memory (the CPU is the device here).
