@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,8 @@ def report_forked_cases(run_case) -> None:
     """The child's side, for measurements that need a fresh process per case: this process (imports done) forks
     one process per case given on argv[1], all at once; each runs `run_case(parameters)`, so each starts from this
     process's state, as freshly imported as a new interpreter's, and sees no other case's allocations. A case's
-    result is {"exit": its process's exit status, "result": what `run_case` returned, or None}."""
+    result is {"exit": its process's exit status, and "result": what `run_case` returned, or "error": the
+    traceback of what it raised}."""
     children = {}
     for case, parameters in json.loads(sys.argv[1]):
         read, write = os.pipe()
@@ -55,13 +57,14 @@ def report_forked_cases(run_case) -> None:
             os.close(read)
             code = 1
             try:
-                os.write(write, json.dumps(run_case(parameters)).encode())
+                report = {"result": run_case(parameters)}
                 code = 0
             except BaseException:
                 import traceback
 
-                traceback.print_exc()
+                report = {"error": traceback.format_exc()}
             finally:
+                os.write(write, json.dumps(report).encode())
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(code)
@@ -71,14 +74,15 @@ def report_forked_cases(run_case) -> None:
         with os.fdopen(read, "rb") as pipe:
             data = pipe.read()
         _, status = os.waitpid(pid, 0)
-        result = {"exit": os.waitstatus_to_exitcode(status), "result": json.loads(data) if data else None}
-        print(CASE_LINE + json.dumps([case, result]), flush=True)
+        report = json.loads(data) if data else {}
+        print(CASE_LINE + json.dumps([case, {"exit": os.waitstatus_to_exitcode(status), **report}]), flush=True)
 
 
 def forked_result(outcome: Outcome):
     """What `report_forked_cases` reported for a case: `run_case`'s result, failing the test if its process failed."""
     child = outcome.value()
-    assert child["exit"] == 0, f"the case's process exited with {child['exit']} (its stderr is above)"
+    assert child["exit"] == 0 and "error" not in child, (
+        f"the case's process exited with {child['exit']} (a SIGBUS is -7)\n{child.get('error', '')}")
     return child["result"]
 
 
@@ -96,8 +100,9 @@ def run_cases(script: str, cases: dict[str, object], *, timeout_s: float, env=No
 def _one_child(script, pending, timeout_s, env, cwd) -> dict[str, Outcome]:
     outcomes = {}
     with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: a chatty child cannot block on it
+        # A session of its own, so that a timeout kills the processes it forked too (`report_forked_cases`).
         proc = subprocess.Popen([sys.executable, "-c", script, json.dumps(pending)], cwd=cwd, env=env, text=True,
-                                stdout=subprocess.PIPE, stderr=stderr)
+                                stdout=subprocess.PIPE, stderr=stderr, start_new_session=True)
         lines: queue.Queue = queue.Queue()
         reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)],
                                   daemon=True)
@@ -108,7 +113,7 @@ def _one_child(script, pending, timeout_s, env, cwd) -> dict[str, Outcome]:
                 line = lines.get(timeout=timeout_s)
             except queue.Empty:
                 timed_out = True
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 break
             if line is None:
                 break
@@ -117,6 +122,7 @@ def _one_child(script, pending, timeout_s, env, cwd) -> dict[str, Outcome]:
                 outcomes[case] = Outcome(result)
         code = proc.wait()
         reader.join(timeout=10)
+        proc.stdout.close()
         stderr.seek(0)
         story = stderr.read()[-3000:]
     missing = [case for case, _ in pending if case not in outcomes]
