@@ -1,20 +1,19 @@
 """Every config.json field a loader uses is validated before anything is built: a string, float, bool, negative,
 zero or absurd (10^6, 10^9) layer count or width gives one CheckpointError naming the config file, the key and its
 value (and, for a size, what the weights hold), found from the headers without building the module. The absurd
-counts used to hang (the loader built 10^9 blocks to learn the expected tensors): those run in a subprocess with a
-timeout."""
+counts used to hang (the loader built 10^9 blocks to learn the expected tensors): those run in one child process,
+each case with its own line and a timeout (`child_cases`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from child_cases import run_cases
 from h3_fixtures import TINY, reference_model, save_diffusers, save_native
 from vae_fixtures import reference_audio, reference_video, save_audio_diffusers, save_video_diffusers, save_video_native
 
@@ -148,41 +147,58 @@ def test_dit_type_message_in_full(checkpoints, tmp_path):
                                "config.json of the release.")
 
 
-LOAD_IN_SUBPROCESS = {"dit": "h3_core.load_dit(source)", "tex": "h3_core.load_text_encoder(source, layer=2)",
-                      "vid": "h3_core.load_video_vae(source)", "aud": "h3_core.load_audio_vae(source)"}
+# Each absurd count (and long list) in its own copy of its checkpoint; id -> (checkpoint, key, value).
+ABSURD_CASES = {f"{c}-{key}-{value}": (c, key, value) for c, key, _ in FIELDS if key in COUNTS for value in ABSURD}
+ABSURD_CASES.update({f"{c}-{key}-long": (c, key, value) for c, key, value, _ in LONG_LISTS})
+LONG_LIST_MESSAGE = {key: expected for _, key, _, expected in LONG_LISTS}
+LOAD_IN_CHILD = textwrap.dedent(f"""
+    import sys
+    sys.path.insert(0, {str(TESTS)!r})
+    import h3_core
+    from h3_core.errors import CheckpointError
+    from child_cases import report_cases
+
+    LOADERS = {{"dit": lambda source: h3_core.load_dit(source),
+               "tex": lambda source: h3_core.load_text_encoder(source, layer=2),
+               "vid": lambda source: h3_core.load_video_vae(source),
+               "aud": lambda source: h3_core.load_audio_vae(source)}}
+
+    def load(case):
+        try:
+            LOADERS[case["loader"]](case["source"])
+        except CheckpointError as exc:
+            return str(exc)
+        return "loaded"
+
+    report_cases(load)
+""")
 
 
-@pytest.mark.parametrize("checkpoint", sorted({c for c, k, _ in FIELDS if k in COUNTS} | {c for c, *_ in LONG_LISTS}))
-def test_absurd_counts_are_refused_without_building_them(checkpoints, tmp_path, checkpoint):
-    """Every absurd count of `checkpoint`'s config, each in its own copy, loaded in one subprocess that must finish
-    within 60 s with one CheckpointError per case (it used to build the 10^9 blocks)."""
-    cases = []
-    for c, key, named in FIELDS:
-        if c != checkpoint or key not in COUNTS:
-            continue
-        for value in ABSURD:
-            folder = shutil.copytree(checkpoints[checkpoint], tmp_path / f"{key}-{value}")
-            config_path = _edit_config(folder, CONFIG_FILE.get(checkpoint, "config.json"), key, value)
-            cases.append((str(folder), f"{config_path}: '{key}' is {value} but the weights hold "))
-    for c, key, value, expected in LONG_LISTS:
-        if c == checkpoint:
-            folder = shutil.copytree(checkpoints[checkpoint], tmp_path / key)
-            cases.append((str(folder), f"{_edit_config(folder, 'config.json', key, value)}: {expected}"))
-    script = textwrap.dedent(f"""
-        import json, sys, h3_core
-        from h3_core.errors import CheckpointError
-        for source in {[folder for folder, _ in cases]!r}:
-            try:
-                {LOAD_IN_SUBPROCESS[checkpoint[:3]]}
-                print(json.dumps("loaded"), flush=True)
-            except CheckpointError as exc:
-                print(json.dumps(str(exc)), flush=True)
-    """)
-    root = str(Path(h3_core.__file__).parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, str(TESTS), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
-    messages = [json.loads(line) for line in done.stdout.splitlines()]
-    assert len(messages) == len(cases)
-    for message, (_, expected) in zip(messages, cases):
-        assert message.startswith(expected), message
+@pytest.fixture(scope="module")
+def absurd_outcomes(checkpoints, tmp_path_factory):
+    """Every absurd case loaded in one child process, each within 60 s of the one before (the first with the
+    interpreter's start), one line each: a case that hangs (they used to build the 10^9 blocks) is killed and fails
+    alone, and the cases after it run in a fresh child."""
+    root = tmp_path_factory.mktemp("absurd")
+    cases, config_paths = {}, {}
+    for case, (checkpoint, key, value) in ABSURD_CASES.items():
+        folder = shutil.copytree(checkpoints[checkpoint], root / case)
+        config_paths[case] = _edit_config(folder, CONFIG_FILE.get(checkpoint, "config.json"), key, value)
+        cases[case] = {"loader": checkpoint[:3], "source": str(folder)}
+    root_path = str(Path(h3_core.__file__).parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root_path, str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    outcomes = run_cases(LOAD_IN_CHILD, cases, timeout_s=60, env=env)
+    return {case: (config_paths[case], outcome) for case, outcome in outcomes.items()}
+
+
+@pytest.mark.parametrize("case", ABSURD_CASES)
+def test_absurd_counts_are_refused_without_building_them(absurd_outcomes, case):
+    """An absurd count (10^6, 10^9 blocks; 10^5 dilations) is one CheckpointError, found without building them."""
+    checkpoint, key, value = ABSURD_CASES[case]
+    config_path, outcome = absurd_outcomes[case]
+    message = outcome.value()
+    if key in LONG_LIST_MESSAGE:
+        expected = f"{config_path}: {LONG_LIST_MESSAGE[key]}"
+    else:
+        expected = f"{config_path}: '{key}' is {value} but the weights hold "
+    assert message.startswith(expected), message

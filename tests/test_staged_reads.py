@@ -1,14 +1,12 @@
-"""The staged host store: explicit reads ahead of use, file changes as errors (never a SIGBUS), the page-cache
-policy, and the CUDA store (pinned ring + the process-wide pin budget) exercised on the CPU with the same classes."""
+"""The staged host store: explicit reads ahead of use, the page-cache policy, and the CUDA store (pinned ring + the
+process-wide pin budget) exercised on the CPU with the same classes. Its files changed under it (errors, never a
+SIGBUS) are in test_checkpoints_changed.py."""
 
 from __future__ import annotations
 
 import ctypes
-import json
 import mmap
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,10 +15,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from child_cases import forked_result, run_cases
 from h3_core.checkpoints.safetensors_io import SafetensorsFile
-from h3_core.errors import CheckpointError
 from h3_core.runtime import host_store
-from h3_core.runtime.host_store import HeldTensors, HostTensor, PinBudget, PAGE_SIZE
+from h3_core.runtime.host_store import HostTensor, PinBudget, PAGE_SIZE
 from h3_core.runtime.layerwise import LayerwiseOffloadManager
 from h3_core.runtime.offload_backends import AsyncBackend, SynchronousBackend
 from h3_core.runtime.staged_store import StagedReads
@@ -136,68 +134,6 @@ def test_reads_run_ahead_of_the_pass_and_wrap_into_the_next(tmp_path, read_ahead
     assert all(torch.equal(p, state[n]) for n, p in blocks.named_parameters())
 
 
-# ---- a file changed under us ------------------------------------------------------------------------------------------
-
-CHANGED_FILE_CHILD = textwrap.dedent("""
-    import os, sys, torch, json
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
-    import h3_core
-    from test_staged_reads import alternating_stack, linear_stack, run_passes
-    from h3_core.runtime.layerwise import LayerwiseOffloadManager
-    from h3_core.runtime.offload_backends import SynchronousBackend
-    path = {path!r}
-    recipes, state = alternating_stack(__import__("pathlib").Path(path), 6)
-    blocks = linear_stack(6).to(torch.bfloat16)
-    manager = LayerwiseOffloadManager(SynchronousBackend("cpu", read_ahead={read_ahead})).attach(blocks, recipes)
-    x = torch.randn(3, 48, dtype=torch.bfloat16)
-    run_passes(manager, blocks, x, 1)
-    size = os.path.getsize(path)
-    if {how!r} == "truncate":
-        os.truncate(path, size // 2)
-    else:  # rewritten in place, same size, other bytes
-        with open(path, "r+b") as f:
-            f.seek(size - 4096); f.write(os.urandom(4096))
-        st = os.stat(path); os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-    try:
-        run_passes(manager, blocks, x, 1)
-    except h3_core.CheckpointError as exc:
-        print(json.dumps({{"error": str(exc), "path": str(exc.path)}}))
-    else:
-        print(json.dumps({{"error": None}}))
-""")
-
-
-@pytest.mark.parametrize("how", ["truncate", "rewrite"])
-@pytest.mark.parametrize("read_ahead", [0, 1])
-def test_a_checkpoint_changed_while_loaded_is_one_error_not_a_crash(tmp_path, how, read_ahead):
-    path = tmp_path / "s.safetensors"
-    code = CHANGED_FILE_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(path), how=how,
-                                     read_ahead=read_ahead)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]  # a SIGBUS would be -7
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["error"] is not None and result["path"] == str(path)
-    assert "changed while it was loaded" in result["error"] and "load the model again" in result["error"]
-    assert ("size changed" if how == "truncate" else "rewritten") in result["error"]
-
-
-def test_memory_mapped_units_check_their_file_before_touching_its_pages(tmp_path):
-    path = tmp_path / "s.safetensors"
-    write_stack(path, 2)
-    store = HeldTensors(stack_recipes(path, 2))
-    store.materialise(0, torch.device("cpu"))
-    os.truncate(path, os.path.getsize(path) // 2)
-    with pytest.raises(CheckpointError, match="changed while it was loaded") as error:
-        store.materialise(1, torch.device("cpu"))
-    assert error.value.path == str(path)
-    # A file replaced by a rename is fine: the map still reads the loaded inode.
-    other = tmp_path / "t.safetensors"
-    write_stack(other, 2)
-    store = HeldTensors(stack_recipes(other, 2))
-    os.replace(path, other)
-    assert torch.isfinite(store.materialise(1, torch.device("cpu"))["weight"]).all()
-
-
 # ---- the page cache ---------------------------------------------------------------------------------------------------
 
 
@@ -307,52 +243,59 @@ def test_the_pin_budget_is_one_for_the_whole_process(tmp_path, monkeypatch):
     assert not pinner.registered
 
 
-ANON_CHILD = textwrap.dedent("""
+ANON_CHILD = textwrap.dedent(f"""
     import json, sys, torch
-    sys.path.insert(0, {root!r}); sys.path.insert(0, {tests!r})
+    sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})
     from pathlib import Path
     from h3_core.checkpoints.safetensors_io import SafetensorsFile
     from h3_core.runtime.host_store import HostTensor, PinBudget
     from h3_core.runtime.layerwise import LayerwiseOffloadManager
     from h3_core.runtime.offload_backends import AsyncBackend
     from test_staged_reads import RecordingPinner, run_passes
+    from child_cases import report_forked_cases
 
     def anon():
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
                 return int(line.split()[1]) * 1024
 
+    def measure(case):
+        blocks, dim = case["blocks"], 2048
+        file = SafetensorsFile(Path(case["path"]))
+        recipes = [{{"weight": HostTensor.held(file.tensor(f"{{i}}.weight"))}} for i in range(blocks)]
+        # Untouched (never initialised) weights take no resident memory: the store is what is measured.
+        stack = torch.nn.ModuleList(torch.nn.utils.skip_init(torch.nn.Linear, dim, dim, bias=False)
+                                    for _ in range(blocks))
+        unit = dim * dim * 4
+        before = anon()
+        manager = LayerwiseOffloadManager(AsyncBackend("cpu", pin_budget=PinBudget(4 * unit),
+                                                       pinner=RecordingPinner()), prefetch=1).attach(stack, recipes)
+        x = torch.randn(4, dim)
+        with torch.no_grad():
+            run_passes(manager, stack, x, 2)
+        return {{"growth": anon() - before, "slots": manager.backend.slot_bytes(),
+                "ring": sum(b.numel() for b in manager.store._ring), "unit": unit,
+                "packed": len(manager.store.slabs), "pinned": manager.store.pinned_bytes}}
+
     torch.set_num_threads(1)
-    blocks, dim = {blocks}, 2048
-    file = SafetensorsFile(Path({path!r}))
-    recipes = [{{"weight": HostTensor.held(file.tensor(f"{{i}}.weight"))}} for i in range(blocks)]
-    # Untouched (never initialised) weights take no resident memory: the store is what is measured.
-    stack = torch.nn.ModuleList(torch.nn.utils.skip_init(torch.nn.Linear, dim, dim, bias=False) for _ in range(blocks))
-    unit = dim * dim * 4
-    before = anon()
-    manager = LayerwiseOffloadManager(AsyncBackend("cpu", pin_budget=PinBudget(4 * unit), pinner=RecordingPinner()),
-                                      prefetch=1).attach(stack, recipes)
-    x = torch.randn(4, dim)
-    with torch.no_grad():
-        run_passes(manager, stack, x, 2)
-    print(json.dumps({{"growth": anon() - before, "slots": manager.backend.slot_bytes(),
-                      "ring": sum(b.numel() for b in manager.store._ring), "unit": unit,
-                      "packed": len(manager.store.slabs), "pinned": manager.store.pinned_bytes}}))
+    report_forked_cases(measure)
 """)
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon")
 def test_cuda_store_anonymous_memory_is_ring_plus_budget_whatever_the_model_size(tmp_path):
     dim = 2048
-    results = {}
+    cases = {}
     for blocks in (12, 24):  # 192 and 384 MiB of float32 weights; the pin budget is 4 units (64 MiB)
         path = tmp_path / f"stack{blocks}.safetensors"
         g = torch.Generator().manual_seed(blocks)
         save_file({f"{i}.weight": torch.randn(dim, dim, generator=g) * 0.03 for i in range(blocks)}, str(path))
-        code = ANON_CHILD.format(root=str(ROOT), tests=str(ROOT / "tests"), path=str(path), blocks=blocks)
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-2000:]
-        results[blocks] = json.loads(done.stdout.strip().splitlines()[-1])
+        cases[str(blocks)] = {"blocks": blocks, "path": str(path)}
+    # Each model size in its own process, forked from one child after its imports, the two side by side: measured
+    # one after the other in one process, the first one's frees would change the heap the second is measured in
+    # (glibc's adaptive mmap threshold: test_host_memory's forward read +80 MB instead of +46 MB that way).
+    outcomes = run_cases(ANON_CHILD, cases, timeout_s=300)
+    results = {blocks: forked_result(outcomes[str(blocks)]) for blocks in (12, 24)}
     for blocks, r in results.items():
         # The ring (read_ahead + 1 = 2 buffers) and the packed units (the budget less the ring's pins: 2 units) are
         # the host side; the 2 fixed slots stand for device memory (the CPU is the device here).
