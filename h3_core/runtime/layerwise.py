@@ -339,7 +339,15 @@ class LayerwiseOffloadManager(BlockResidency):
                 "prefetch (slots = prefetch + 1)."
             )
         self._slots.start_loading(slot, index)
-        nbytes = self.backend.load(slot, index)
+        try:
+            nbytes = self.backend.load(slot, index)
+        except BaseException:
+            # Out of memory in the copy, a read error or a changed file in the staging reader, Ctrl-C while a read
+            # is awaited: this pass fails, the slot is empty again, and the next pass loads the block anew.
+            self.backend.discard(slot)
+            self._slots.abandon(slot)
+            self._slot_bytes[slot] = 0
+            raise
         self._slots.mark_ready(slot)
         self._slot_bytes[slot] = nbytes
         self._current.bytes_h2d += nbytes

@@ -232,16 +232,22 @@ class AsyncBackend(OffloadBackend):
 
     def load(self, slot: int, unit: int) -> int:
         data, staged = self._host_unit(unit)
-        with self.platform.on_stream(self.copy_stream):
-            if self._free_recorded[slot]:
-                # Overwrite only after the compute work that read this slot's previous unit.
-                self.copy_stream.wait_event(self.free_events[slot])
-            self.buffers[slot][: data.numel()].copy_(data, non_blocking=True)
-            self.ready_events[slot].record(self.copy_stream)
-            copied = None
-            if staged is not None:
-                copied = self.platform.new_event()
-                copied.record(self.copy_stream)
+        try:
+            with self.platform.on_stream(self.copy_stream):
+                if self._free_recorded[slot]:
+                    # Overwrite only after the compute work that read this slot's previous unit.
+                    self.copy_stream.wait_event(self.free_events[slot])
+                self.buffers[slot][: data.numel()].copy_(data, non_blocking=True)
+                self.ready_events[slot].record(self.copy_stream)
+                copied = None
+                if staged is not None:
+                    copied = self.platform.new_event()
+                    copied.record(self.copy_stream)
+        except BaseException:
+            if staged is not None:  # the reader may refill it once whatever the copy stream took from it is done
+                self.copy_stream.synchronize()
+                self.store.give_back(staged)
+            raise
         if staged is not None:
             # Refilled by the reader only once this copy is done (it waits on the event, the host here does not).
             self.store.give_back(staged, after=copied)

@@ -22,7 +22,7 @@ class SlotState(enum.Enum):
 
 _LEGAL = {
     SlotState.EMPTY: {SlotState.LOADING},
-    SlotState.LOADING: {SlotState.READY},
+    SlotState.LOADING: {SlotState.READY, SlotState.EMPTY},  # -> EMPTY: the load failed
     SlotState.READY: {SlotState.IN_USE, SlotState.EMPTY},  # -> EMPTY: a prefetched unit discarded unused
     SlotState.IN_USE: {SlotState.FREEING},
     SlotState.FREEING: {SlotState.EMPTY},
@@ -56,6 +56,10 @@ class SlotTable:
 
     def start_loading(self, slot: int, unit: int) -> None:
         self._move(slot, SlotState.LOADING, unit)
+
+    def abandon(self, slot: int) -> None:
+        """The load into `slot` failed: it holds nothing."""
+        self._move(slot, SlotState.EMPTY)
 
     def mark_ready(self, slot: int) -> None:
         self._move(slot, SlotState.READY)
