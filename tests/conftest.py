@@ -50,3 +50,49 @@ def run_cli(monkeypatch, capsys, tiny_cache):
         return run_cli_in_process(args, cwd=cwd, monkeypatch=monkeypatch, capsys=capsys, environment=environment)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def engine_servers(tmp_path_factory):
+    """The engines' own H3 servers (tests/engine_servers.py), those whose venv is built, all started side by side
+    (each takes seconds to import its engine) and shared by the modules that talk to them: "fl2va" and "ref2va"
+    (SGLang 0.5.23, the Ref2VA one storing its results in S3 — moto's server — as a server with
+    SGLANG_CLOUD_STORAGE_TYPE=s3 does, so its jobs end with a URL) and "vllm-omni" (vLLM-Omni 0.30.0, with an API
+    key)."""
+    from contextlib import ExitStack
+
+    from engine_servers import VLLM_OMNI_KEY, MotoS3, SGLangServer, VllmOmniServer, unavailable
+
+    started = {}
+    with ExitStack() as stack:
+        s3 = None
+        if unavailable("sglang") is None:
+            s3 = MotoS3(tmp_path_factory.mktemp("s3")).start()
+            stack.callback(s3.__exit__)
+            started["fl2va"] = SGLangServer(tmp_path_factory.mktemp("sglang-fl2va"), "fl2va").start()
+            started["ref2va"] = SGLangServer(tmp_path_factory.mktemp("sglang-ref2va"), "ref2va",
+                                             env=s3.sglang_environment()).start()
+        if unavailable("vllm-omni") is None:
+            started["vllm-omni"] = VllmOmniServer(tmp_path_factory.mktemp("vllm-omni"), api_key=VLLM_OMNI_KEY).start()
+        for server in started.values():
+            stack.callback(server.__exit__, None, None, None)
+        if s3 is not None:
+            s3.wait_ready()
+        yield {name: server.wait_ready() for name, server in started.items()}
+
+
+@pytest.fixture(scope="session")
+def sglang_servers(engine_servers):
+    """{"fl2va": ..., "ref2va": ...}: SGLang's own server, once per partition (see `engine_servers`)."""
+    from engine_servers import require
+
+    require("sglang")
+    return {variant: engine_servers[variant] for variant in ("fl2va", "ref2va")}
+
+
+@pytest.fixture(scope="session")
+def vllm_omni_server(engine_servers):
+    from engine_servers import require
+
+    require("vllm-omni")
+    return engine_servers["vllm-omni"]
