@@ -33,8 +33,9 @@ class PickleCheckpointError(CheckpointError):
 
 class RemoteError(H3Error):
     """A remote generation server refused, failed or could not be reached; the message names the server and what it
-    said. `status` is the HTTP status when one came back."""
+    said. `status` is the HTTP status when one came back, `body` its parsed JSON body (or None)."""
 
-    def __init__(self, message: str, *, status: int | None = None):
+    def __init__(self, message: str, *, status: int | None = None, body=None):
         super().__init__(message)
         self.status = status
+        self.body = body

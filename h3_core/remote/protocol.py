@@ -1,33 +1,14 @@
-"""Every fact h3-stream relies on about the OpenAI-style videos API of an SGLang diffusion server, in one place.
-
-Read on 2026-12-01 from:
-
-* SGLang's "SGLang Diffusion OpenAI API" page, `docs/diffusion/api/openai_api.md` (sgl-project/sglang at commit
-  11f22d993083efd12466bd3f84a89ae766755741): `GET /models`, `POST /v1/videos`, `GET /v1/videos`,
-  `GET /v1/videos/{video_id}/content`, `Authorization: Bearer <key>`, the LoRA endpoints;
-* its server code, `python/sglang/multimodal_gen/runtime/entrypoints/openai/video_api.py` and `protocol.py`: the job
-  object (`id`, `status`, `progress` 0-100, `error.message`), the statuses it sets (`queued` -> `completed` |
-  `failed`), `DELETE /v1/videos/{video_id}` (it drops the job; the code says "TODO: support aborting a job", so the
-  server may go on computing a deleted job), FastAPI's `{"detail": ...}` error bodies, the request model accepting
-  extra fields (`extra="allow"`);
-* MiniMax's H3 README and its request scripts (MiniMax-AI/MiniMax-H3 `scripts/readme/reproducible-768p-*-request.sh`
-  at commit 4cf34d283d170d56aee870e5a4dcbcb64f69dc8d): one server per partition (`sglang serve --model-path
-  MiniMaxAI/MiniMax-H3 --model-variant fl2va|ref2va ...`), the H3 request fields `task` ("t2va", "fl2va") and
-  `conditions` (`{"type": "image", "uri": ..., "role": "keyframe", "frame_index": 0}`), and the poll statuses its
-  script treats as done, failed or still running.
-
-Not documented anywhere read (so the client sends them and says so in the README): keyframe `uri`s as `data:` URIs
-(the scripts use https URLs), `frame_index` -1 for the last frame, and the audio sigma shift (`audio_flow_shift`, the
-name MiniMax H3 extensions use elsewhere). When the server changes, this module is the one to update.
+"""The facts h3-stream relies on that both H3 serving engines share: the OpenAI-style videos API's paths, the job
+object, its statuses, error bodies and model cards. What each engine adds or refuses is in `sglang_api.py` and
+`vllm_omni_api.py`; what H3 requests they accept is in `serving_rules.py`. Read from the engines' own code (SGLang
+0.5.23, vLLM-Omni 0.30.0); when a server changes, these modules are the ones to update.
 """
 
 from __future__ import annotations
 
-DOCS_READ = ("SGLang docs/diffusion/api/openai_api.md @ 11f22d99 and multimodal_gen/runtime/entrypoints/openai "
-             "(video_api.py, protocol.py); MiniMax-H3 scripts/readme @ 4cf34d28; read 2026-12-01")
-
 # ---- paths ------------------------------------------------------------------------------------------------------------
-MODELS_PATH = "/models"
+MODELS_PATH = "/v1/models"
+LEGACY_MODELS_PATH = "/models"  # SGLang's older card, deprecated there; vLLM-Omni has none
 VIDEOS_PATH = "/v1/videos"
 
 
@@ -57,42 +38,6 @@ FAILED = frozenset({"failed", "failure", "fail", "error", "cancelled", "canceled
 RUNNING = frozenset({"queued", "queueing", "preparing", "processing", "running", "pending", "in_progress",
                      "in-progress"})
 
-# ---- the request body -------------------------------------------------------------------------------------------------
-TASK_TEXT = "t2va"  # text -> video + audio (no keyframe), served by the FL2VA partition
-TASK_KEYFRAMES = "fl2va"  # first / last keyframe -> video + audio
-KEYFRAME_INDEX = {"first": 0, "last": -1}
-
-
-def keyframe_condition(uri: str, anchor: str) -> dict:
-    return {"type": "image", "uri": uri, "role": "keyframe", "frame_index": KEYFRAME_INDEX[anchor]}
-
-
-def create_video_body(*, prompt: str, width: int, height: int, num_frames: int, fps: int, steps: int, seed: int,
-                      video_shift: float, audio_shift: float, keyframes: dict | None = None,
-                      model: str | None = None) -> dict:
-    """The JSON body of `POST /v1/videos` for one H3 request. `steps` counts sigma grid points including the final 0
-    (as everywhere in h3-stream); the server's `num_inference_steps` counts model calls, so it is `steps - 1`.
-    `keyframes` maps "first" / "last" to an image URI."""
-    keyframes = keyframes or {}
-    body = {
-        "prompt": prompt,
-        "task": TASK_KEYFRAMES if keyframes else TASK_TEXT,
-        "conditions": [keyframe_condition(uri, anchor) for anchor, uri in keyframes.items()],
-        "size": f"{width}x{height}",
-        "width": width,
-        "height": height,
-        "num_frames": num_frames,
-        "fps": fps,
-        "num_inference_steps": steps - 1,
-        "seed": seed,
-        "flow_shift": video_shift,
-        "audio_flow_shift": audio_shift,
-    }
-    if model:
-        body["model"] = model
-    return body
-
-
 # ---- the job object ---------------------------------------------------------------------------------------------------
 def job_id(job: dict) -> str | None:
     value = job.get("id") if isinstance(job, dict) else None
@@ -109,6 +54,12 @@ def job_progress(job: dict) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return max(0.0, min(100.0, float(value)))
+
+
+def job_url(job: dict) -> str | None:
+    """Where the server stored the result when it uploaded it (SGLang's cloud storage), else None."""
+    value = job.get("url") if isinstance(job, dict) else None
+    return value if isinstance(value, str) and value.startswith(("http://", "https://")) else None
 
 
 def job_error(job: dict) -> str | None:
@@ -131,36 +82,56 @@ def error_body_message(body: bytes) -> str:
     if isinstance(parsed, dict):
         if isinstance(parsed.get("error"), dict) and parsed["error"].get("message"):
             return str(parsed["error"]["message"])
+        if isinstance(parsed.get("error"), str) and parsed["error"]:  # vllm's auth middleware
+            return parsed["error"]
         if parsed.get("detail"):
             detail = parsed["detail"]
+            if isinstance(detail, list) and all(isinstance(item, dict) and "msg" in item for item in detail):
+                # FastAPI's validation errors (422): where and what
+                return "; ".join(f"{'.'.join(str(p) for p in item.get('loc', ()))}: {item['msg']}"
+                                 for item in detail)
             return detail if isinstance(detail, str) else json.dumps(detail)
         if parsed.get("message"):
             return str(parsed["message"])
     return text[:500]
 
 
-# ---- GET /models ------------------------------------------------------------------------------------------------------
-# Documented response fields: model_path, task_type, pipeline_name, pipeline_class, num_gpus, dit_precision,
-# vae_precision. H3's partition is not a documented field: it is read from `model_variant` when the server sends one,
-# else from the names (a Ref2VA server's pipeline or task names it).
-MODEL_INFO_FIELDS = ("model_path", "task_type", "pipeline_name", "pipeline_class", "num_gpus", "dit_precision",
-                     "vae_precision")
+# ---- GET /v1/models ---------------------------------------------------------------------------------------------
+# `{"object": "list", "data": [card, ...]}`; a card has `id` (the served model name), `owned_by` (the engine) and,
+# on SGLang, `task_type`, `pipeline_name`, `pipeline_class`, `num_gpus`, `dit_precision`. SGLang's deprecated
+# `GET /models` answers one card-like object (`model_path` instead of `id`). No card names H3's partition.
 PARTITIONS = ("fl2va", "ref2va")
 
 
-def served_partition(info: dict) -> str | None:
-    variant = str(info.get("model_variant") or "").lower()
+def model_card(answer: dict) -> dict:
+    """The first model card of a `/v1/models` answer (or the legacy `/models` object itself); {} when none."""
+    data = answer.get("data") if isinstance(answer, dict) else None
+    if isinstance(data, list):
+        return next((card for card in data if isinstance(card, dict)), {})
+    return answer if isinstance(answer, dict) else {}
+
+
+def card_names(card: dict) -> str:
+    return " ".join(str(card.get(key) or "") for key in ("id", "root", "model_path", "pipeline_name",
+                                                          "pipeline_class")).strip()
+
+
+def served_partition(card: dict) -> str | None:
+    """The partition a card names (`model_variant`, or a name with fl2va / ref2va in it), None when it names none."""
+    variant = str(card.get("model_variant") or "").lower()
     if variant in PARTITIONS:
         return variant
-    names = " ".join(str(info.get(key) or "") for key in ("task_type", "pipeline_name", "pipeline_class",
-                                                           "model_path")).lower()
-    found = [partition for partition in PARTITIONS if partition in names]
+    found = [partition for partition in PARTITIONS if partition in card_names(card).lower()]
     return found[0] if len(found) == 1 else None
 
 
-def serves_h3(info: dict) -> bool | None:
-    """True when the server names an H3 pipeline or model, False when it names another one, None when it names none."""
-    names = " ".join(str(info.get(key) or "") for key in ("model_path", "pipeline_name", "pipeline_class")).lower()
-    if not names.strip():
+def serves_h3(card: dict) -> bool | None:
+    """True when the card names an H3 pipeline or model, False when it names another one, None when it names none."""
+    names = card_names(card).lower()
+    if not names:
         return None
     return "h3" in names
+
+
+def card_engine(card: dict) -> str:
+    return str(card.get("owned_by") or "").strip().lower()

@@ -1,29 +1,32 @@
-"""RemoteEngine: the pipeline's `generate`, run by an SGLang diffusion server (OpenAI-style videos API) instead of
-this machine, its mp4 decoded into the same `GenerationResult` a local run returns.
+"""RemoteEngine: the pipeline's `generate`, run by an H3 serving engine — SGLang diffusion or vLLM-Omni, told apart
+by the model card it reports (or named with `backend`) — instead of this machine, its mp4 decoded into the same
+`GenerationResult` a local run returns.
 
-What stays local: every request check (the same as `H3Pipeline.generate`'s, before anything is sent), the keyframes'
-fitting to the canvas (the same as a local run's), refusing what the server cannot serve (from `GET /models`), the
-decode of the server's mp4 into frames and a 32 kHz stereo waveform, and (in the CLI) the staged mp4 write.
+What stays local: every request check (the same as `H3Pipeline.generate`'s) and every limit the server enforces
+(`serving_rules.py`), both before anything is encoded or sent; the keyframes' fitting and the references'
+normalisation (the same as a local run's); refusing a server that serves another model; the decode of the server's
+mp4 into frames and a 32 kHz stereo waveform, checked against the request; and (in the CLI) the staged mp4 write.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import H3Error, RemoteError
 from ..request.generation_request import GenerationRequest
 from ..request.generation_result import GenerationResult
 from ..request.grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
-from ..request.keyframes import prepare_keyframes
 from ..request.media_files import read_mp4
-from . import protocol
+from . import protocol, serving_rules, sglang_api, vllm_omni_api
 from .videos_client import VideosClient
+
+# The engines h3-stream speaks, by the `owned_by` of their model card (and the `backend` option's names).
+APIS = {"sglang": sglang_api, "vllm-omni": vllm_omni_api}
+BACKENDS = ("auto", *APIS)
 
 # How often a waiting engine looks for a cancel (seconds).
 INTERRUPT_SLICE = 0.1
@@ -35,18 +38,22 @@ class RemoteEngine:
     """`RemoteEngine(url).generate(prompt, width=..., ...)` as `H3Pipeline.generate`.
 
     `api_key` defaults to the `H3_STREAM_API_KEY` environment variable (sent as a Bearer token; never logged or put in
-    a message). `partition` ("fl2va" / "ref2va", None: any) is refused before sending when the server serves the
-    other one. `timeout` bounds each HTTP connect and read, `job_timeout` the whole job (it is cancelled past it);
-    `attempts`, `backoff` and `max_backoff` set the retries of connection errors and 5xx answers (4xx never retry).
-    `poll_interval` is the wait between status polls. `work_dir` holds the download while it is decoded (a temporary
+    a message). `partition` ("fl2va" / "ref2va", None: any) is the partition the server was started with, when its
+    card does not say (neither engine's does): a request of the other partition's task is refused before sending.
+    `backend` ("auto", "sglang", "vllm-omni") is the engine's API, auto as its model card says. `timeout` bounds each
+    HTTP connect and read, `job_timeout` the whole job (it is cancelled past it); `attempts`, `backoff` and
+    `max_backoff` set the retries of connection errors and 5xx answers (4xx never retry). `poll_interval` is the wait
+    between status polls. `work_dir` holds the download while it is decoded (a temporary
     folder under it, removed whatever happens)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, partition: str | None = None,
-                 timeout: float = 30.0, job_timeout: float = 7200.0, poll_interval: float = 2.0, attempts: int = 5,
-                 backoff: float = 1.0, max_backoff: float = 30.0, work_dir=None,
-                 log: Callable[[str], None] | None = None):
+                 backend: str = "auto", timeout: float = 30.0, job_timeout: float = 7200.0,
+                 poll_interval: float = 2.0, attempts: int = 5, backoff: float = 1.0, max_backoff: float = 30.0,
+                 work_dir=None, log: Callable[[str], None] | None = None):
         if partition is not None and str(partition).lower() not in protocol.PARTITIONS:
             raise H3Error(f"partition {partition!r}: use one of {list(protocol.PARTITIONS)} or None.")
+        if backend not in BACKENDS:
+            raise H3Error(f"backend {backend!r}: use one of {list(BACKENDS)} (auto: as the server's model card says).")
         for name, value in (("timeout", timeout), ("job_timeout", job_timeout), ("poll_interval", poll_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise H3Error(f"{name} {value!r}: must be a number of seconds above 0.")
@@ -55,11 +62,12 @@ class RemoteEngine:
                                    max_backoff=max_backoff, wait=self._wait)
         self.url = self.client.base_url
         self.partition = str(partition).lower() if partition is not None else None
+        self.backend = backend
         self.job_timeout, self.poll_interval = float(job_timeout), float(poll_interval)
         self.work_dir = work_dir
         self.log = log or (lambda message: None)
         self._check_interrupt: Callable[[], None] | None = None
-        self._info: dict | None = None
+        self._card: dict | None = None
 
     def __repr__(self) -> str:  # never the key
         return f"RemoteEngine({self.url!r}, partition={self.partition!r})"
@@ -81,43 +89,62 @@ class RemoteEngine:
 
     # -- what the server serves ------------------------------------------------------------------------------------
 
-    def model_info(self) -> dict:
-        """`GET /models`, once per engine."""
-        if self._info is None:
-            self._info = self.client.get_json(protocol.MODELS_PATH)
-        return self._info
+    def model_card(self) -> dict:
+        """`GET /v1/models`'s first card (SGLang's deprecated `/models` when there is no `/v1/models`), once."""
+        if self._card is None:
+            try:
+                answer = self.client.get_json(protocol.MODELS_PATH)
+            except RemoteError as exc:
+                if exc.status != 404:
+                    raise
+                answer = self.client.get_json(protocol.LEGACY_MODELS_PATH)
+            self._card = protocol.model_card(answer)
+        return self._card
+
+    @property
+    def api(self):
+        """The engine's API module (`sglang_api` / `vllm_omni_api`): the `backend` given, else the card's."""
+        if self.backend != "auto":
+            return APIS[self.backend]
+        engine = protocol.card_engine(self.model_card())
+        for api in APIS.values():
+            if engine == api.OWNED_BY:
+                return api
+        names = " / ".join(api.NAME for api in APIS.values())
+        raise RemoteError(f"the server at {self.url} does not say which engine it is (its model card is owned by "
+                          f"{engine or 'nobody'!r}); h3-stream speaks {names}: set backend (--backend) to "
+                          f"{' or '.join(APIS)}.")
 
     def describe_server(self) -> str:
-        info = self.model_info()
-        parts = [str(info.get("model_path") or "an unnamed model")]
-        partition = protocol.served_partition(info)
-        if partition:
-            parts.append(partition.upper())
-        if info.get("num_gpus"):
-            parts.append(f"{info['num_gpus']} GPU(s)")
-        if info.get("dit_precision"):
-            parts.append(f"transformer {info['dit_precision']}")
+        card = self.model_card()
+        parts = [str(card.get("id") or card.get("model_path") or "an unnamed model")]
+        try:
+            parts.append(self.api.NAME)
+        except RemoteError:
+            pass
+        served = protocol.served_partition(card)
+        if served:
+            parts.append(served.upper())
+        elif self.partition:
+            parts.append(f"{self.partition.upper()} (as set: the server does not say)")
+        if card.get("num_gpus"):
+            parts.append(f"{card['num_gpus']} GPU(s)")
+        if card.get("dit_precision"):
+            parts.append(f"transformer {card['dit_precision']}")
         return ", ".join(parts)
 
-    def check_servable(self, *, keyframes: bool) -> None:
-        """Refuse, before sending, a request the server says it cannot serve."""
-        info = self.model_info()
-        name = info.get("model_path") or info.get("pipeline_class") or "an unnamed model"
-        if protocol.serves_h3(info) is False:
-            raise RemoteError(f"the server at {self.url} serves {name}, not MiniMax H3; start it with sglang serve "
-                              "--model-path MiniMaxAI/MiniMax-H3 --model-variant fl2va.")
-        served = protocol.served_partition(info)
-        if self.partition and served and served != self.partition:
-            raise RemoteError(f"partition {self.partition}: the server at {self.url} serves H3's {served.upper()} "
-                              f"partition; point at a server started with --model-variant {self.partition}, or ask "
-                              f"for {served}.")
-        if served == "ref2va":
-            what = "keyframes" if keyframes else "a text-to-video request"
-            raise RemoteError(f"the server at {self.url} serves H3's Ref2VA partition, which needs reference media; "
-                              f"{what} go to an FL2VA server (sglang serve --model-path MiniMaxAI/MiniMax-H3 "
-                              "--model-variant fl2va).")
-        if served is None:
-            self.log(f"the server at {self.url} does not say which H3 partition it serves; sending the request")
+    def check_servable(self, request: GenerationRequest):
+        """Refuse, before anything is encoded or sent, a request the server cannot serve; returns the API."""
+        card = self.model_card()
+        name = card.get("id") or card.get("model_path") or card.get("pipeline_class") or "an unnamed model"
+        api = self.api
+        if protocol.serves_h3(card) is False:
+            raise RemoteError(f"the server at {self.url} serves {name}, not MiniMax H3; start it with "
+                              f"{api.START_COMMAND.format(partition='fl2va')}.")
+        task = serving_rules.task_of(request)
+        serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url, api.NAME)
+        api.check(request)
+        return api
 
     # -- one request -----------------------------------------------------------------------------------------------
 
@@ -132,43 +159,40 @@ class RemoteEngine:
             raise H3Error(f"{request.names.loras}: a remote server applies its own LoRAs (sglang serve --lora-path, "
                           "or its /v1/set_lora endpoint); LoRA files on this machine are not sent. Remove them, or "
                           "run locally.")
-        if request.has_references:
-            raise H3Error(f"{' / '.join(request.names.references)}: the remote engine does not send references yet; "
-                          "run Ref2VA locally.")
-        width, height, num_frames = request.width, request.height, request.num_frames
-        fitted = prepare_keyframes(request.keyframe_images, width, height)
-        keyframes = {anchor: _png_data_uri(image) for anchor, image in zip(request.anchors, fitted)}
         self._check_interrupt = check_interrupt
         try:
             self._check()
-            self.check_servable(keyframes=bool(keyframes))
-            body = protocol.create_video_body(prompt=request.prompt, width=width, height=height,
-                                              num_frames=num_frames, fps=FPS, steps=request.steps, seed=request.seed,
-                                              video_shift=request.video_shift, audio_shift=request.audio_shift,
-                                              keyframes=keyframes)
-            return self._run_job(body, width, height, num_frames, progress, on_status or (lambda text: None))
+            api = self.check_servable(request)
+            materials = api.materials(request)
+            self._check()
+            return self._run_job(api, request, materials, progress, on_status or (lambda text: None))
         finally:
             self._check_interrupt = None
 
-    def _run_job(self, body, width, height, num_frames, progress, on_status) -> GenerationResult:
+    def _run_job(self, api, request, materials, progress, on_status) -> GenerationResult:
         timings = {}
         started = time.perf_counter()
-        job = self.client.post_json(protocol.VIDEOS_PATH, body)
+        job = api.post_video(self.client, request, materials, self.model_card().get("id"))
         video_id = protocol.job_id(job)
         if video_id is None:
-            raise RemoteError(f"POST {self.url}{protocol.VIDEOS_PATH} answered no job id; is this an SGLang "
-                              "diffusion server?")
+            raise RemoteError(f"POST {self.url}{protocol.VIDEOS_PATH} answered no job id; is this an {api.NAME} "
+                              "server?")
         self.log(f"remote job {video_id} submitted to {self.url}")
         settled = False  # the server finished the job (completed or failed): nothing to cancel
         try:
-            job = self._poll(video_id, job, progress, on_status)
+            job = self._poll(api, request, video_id, job, progress, on_status)
             settled = True
             timings["remote_job"] = time.perf_counter() - started
             started = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix="h3-remote-", dir=self.work_dir) as folder:
                 path = Path(folder) / f"{video_id}.mp4"
+                stored = protocol.job_url(job)
                 with open(path, "wb") as file:
-                    size = self.client.download(protocol.content_path(video_id), file, check=self._check)
+                    if stored:
+                        self.log(f"the server stored the video at {self.client.redact(stored)}; downloading it")
+                        size = self.client.download_url(stored, file, check=self._check)
+                    else:
+                        size = self.client.download(protocol.content_path(video_id), file, check=self._check)
                 timings["download"] = time.perf_counter() - started
                 self.log(f"downloaded {size / 2**20:.1f} MiB from {self.url}")
                 started = time.perf_counter()
@@ -179,11 +203,12 @@ class RemoteEngine:
             raise
         except BaseException:
             if not settled:
-                self._cancel(video_id)
+                self._cancel(api, video_id)
             raise
-        return self._as_result(frames, waveform, fps, width, height, num_frames, video_id, timings)
+        return self._as_result(frames, waveform, fps, request.width, request.height, request.num_frames, video_id,
+                               timings)
 
-    def _poll(self, video_id, job, progress, on_status) -> dict:
+    def _poll(self, api, request, video_id, job, progress, on_status) -> dict:
         deadline = time.monotonic() + self.job_timeout
         last = None
         while True:
@@ -200,6 +225,9 @@ class RemoteEngine:
                 return job
             if status in protocol.FAILED:
                 reason = protocol.job_error(job) or f"status {status}"
+                if api.PARTITION_REFUSAL in reason:
+                    reason += (f" (the server was started with the other --model-variant; point at a server "
+                               f"started with {api.START_COMMAND.format(partition=serving_rules.PARTITION_OF_TASK[serving_rules.task_of(request)])})")
                 raise _Settled(self.client.redact(f"the server at {self.url} could not make the video (job "
                                                   f"{video_id} {status}): {reason}"))
             if status not in protocol.RUNNING:
@@ -209,19 +237,31 @@ class RemoteEngine:
                 raise RemoteError(f"the job {video_id} on {self.url} did not finish within {self.job_timeout:g} s "
                                   "(job_timeout); it was cancelled. Give a longer job_timeout for long videos.")
             self._wait(self.poll_interval)
-            job = self.client.get_json(protocol.video_path(video_id))
+            try:
+                job = self.client.get_json(protocol.video_path(video_id))
+            except RemoteError as exc:  # vLLM-Omni answers a failed job with its error's HTTP code
+                if not (isinstance(exc.body, dict) and protocol.job_status(exc.body) in protocol.FAILED):
+                    raise
+                job = exc.body
 
-    def _cancel(self, video_id: str) -> None:
-        """Tell the server to drop the job (DELETE; SGLang has no abort). Never raises: the run is already ending."""
+    def _cancel(self, api, video_id: str) -> None:
+        """DELETE the job. Where the engine aborts on DELETE (vLLM-Omni) the job stops; where it only forgets the job
+        (SGLang) the job runs on to its end on the server's GPUs, and the user is told so. Never raises: the run is
+        already ending."""
         client = self.client
         saved, client.timeout = client.timeout, min(client.timeout, CANCEL_TIMEOUT)
         try:
             client.delete(protocol.video_path(video_id))
-            self.log(f"cancelled remote job {video_id} on {self.url}")
         except Exception as exc:  # noqa: BLE001 - best effort
             self.log(f"could not cancel remote job {video_id} on {self.url}: {exc}")
+            return
         finally:
             client.timeout = saved
+        if api.CAN_ABORT:
+            self.log(f"cancelled remote job {video_id} on {self.url}: {api.NAME} aborted it")
+        else:
+            self.log(f"cancelled here; sent DELETE for remote job {video_id}, but {api.NAME} cannot abort a job: it "
+                     f"goes on running on {self.url} until it ends (its GPUs stay busy meanwhile)")
 
     def _as_result(self, frames, waveform, fps, width, height, num_frames, video_id, timings) -> GenerationResult:
         source = f"the video of job {video_id} from {self.url}"
@@ -244,9 +284,3 @@ class RemoteEngine:
 
 class _Settled(RemoteError):
     """The server's own failure of a job: nothing is left to cancel."""
-
-
-def _png_data_uri(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")

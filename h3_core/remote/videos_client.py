@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import H3Error, RemoteError
 from . import protocol
@@ -55,6 +55,13 @@ def _reason(exc: BaseException) -> str:
 TRANSIENT = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, http.client.HTTPException, OSError)
 
 
+def _json_or_none(raw: bytes):
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
 class _Truncated(Exception):
     def __init__(self, got: int, expected: int):
         super().__init__(f"got {got} of {expected} bytes")
@@ -85,39 +92,48 @@ class VideosClient:
             text = text.replace(self._api_key, "***")
         return text
 
-    def _error(self, message: str, status: int | None = None) -> RemoteError:
-        return RemoteError(self.redact(message), status=status)
+    def _error(self, message: str, status: int | None = None, body=None) -> RemoteError:
+        return RemoteError(self.redact(message), status=status, body=body)
 
     # -- requests --------------------------------------------------------------------------------------------------
 
-    def _request(self, method: str, path: str, body: dict | None, timeout: float):
+    def _request(self, method: str, path: str, body, timeout: float, *, url: str | None = None):
+        """`body`: a dict (sent as JSON) or a `Multipart`. `url` (absolute) replaces base URL + path; the API key
+        goes only to the server's own host."""
         headers = {"Accept": "application/json"}
         data = None
-        if body is not None:
+        if isinstance(body, Multipart):
+            data, headers["Content-Type"] = body.encoded()
+        elif body is not None:
             data = json.dumps(body).encode("utf-8")
             headers["Content-Type"] = "application/json"
-        if self._api_key:
+        target = url or self.base_url + path
+        same_host = urllib.parse.urlsplit(target).netloc == urllib.parse.urlsplit(self.base_url).netloc
+        if self._api_key and same_host:
             headers[protocol.AUTHORIZATION_HEADER] = protocol.authorization_value(self._api_key)
-        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
-        return self._opener.open(request, timeout=timeout)
+        request = urllib.request.Request(target, data=data, headers=headers, method=method)
+        opener = self._opener if same_host else urllib.request.build_opener()
+        return opener.open(request, timeout=timeout)
 
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff, self.backoff * 2 ** (attempt - 1))
 
-    def _with_retries(self, method: str, path: str, call, attempts: int | None = None):
+    def _with_retries(self, method: str, path: str, call, attempts: int | None = None, where: str | None = None):
         """Run `call()` (which opens and reads one response) until it succeeds, a 4xx comes back, or the attempts
         are spent; connection errors, timeouts, truncated bodies and 5xx are retried after a backoff."""
         attempts = attempts or self.attempts
-        where = f"{method} {self.base_url}{path}"
+        where = f"{method} {where or self.base_url + path}"
         last = ""
         status = None
         for attempt in range(1, attempts + 1):
             try:
                 return call()
             except urllib.error.HTTPError as exc:
-                message = protocol.error_body_message(exc.read() or b"") or exc.reason or ""
+                raw = exc.read() or b""
+                message = protocol.error_body_message(raw) or exc.reason or ""
                 if exc.code < 500:
-                    raise self._error(f"the server refused {where} (HTTP {exc.code}): {message}", exc.code) from None
+                    raise self._error(f"the server refused {where} (HTTP {exc.code}): {message}", exc.code,
+                                      _json_or_none(raw)) from None
                 status, last = exc.code, f"HTTP {exc.code}: {message}"
             except _Truncated as exc:
                 last = f"the response was cut short ({exc})"
@@ -134,15 +150,20 @@ class VideosClient:
     def post_json(self, path: str, body: dict) -> dict:
         return self._json("POST", path, body, None)
 
+    def post_form(self, path: str, form: Multipart) -> dict:
+        """A multipart/form-data POST (vLLM-Omni's `POST /v1/videos` takes no JSON) answered with JSON."""
+        return self._json("POST", path, form, None)
+
     def delete(self, path: str, *, attempts: int = 1) -> None:
-        """Best effort (a cancel must not hang on a server that is gone): one try by default, a 404 is fine."""
+        """Best effort (a cancel must not hang on a server that is gone): one try by default; a 404 (gone already)
+        and a 409 (vLLM-Omni: the abort is under way) are fine."""
         def call():
             with self._request("DELETE", path, None, self.timeout) as response:
                 response.read()
         try:
             self._with_retries("DELETE", path, call, attempts)
         except RemoteError as exc:
-            if exc.status != 404:
+            if exc.status not in (404, 409):
                 raise
 
     def _json(self, method: str, path: str, body, attempts) -> dict:
@@ -160,14 +181,19 @@ class VideosClient:
             return parsed
         return self._with_retries(method, path, call, attempts)
 
-    def download(self, path: str, destination, check: Callable[[], None] | None = None) -> int:
+    def download_url(self, url: str, destination, check: Callable[[], None] | None = None) -> int:
+        """As `download`, from an absolute http(s) URL (a result the server stored elsewhere)."""
+        return self.download("", destination, check, url=url)
+
+    def download(self, path: str, destination, check: Callable[[], None] | None = None, *,
+                 url: str | None = None) -> int:
         """Stream the body of `GET path` into the open binary file `destination` (rewound and truncated before each
         try); a body shorter than its Content-Length is retried like a dropped connection. Returns the bytes
         written. `check()` runs between chunks (a cancel)."""
         def call():
             destination.seek(0)
             destination.truncate()
-            with self._request("GET", path, None, self.timeout) as response:
+            with self._request("GET", path, None, self.timeout, url=url) as response:
                 length = response.headers.get("Content-Length")
                 expected = int(length) if length and length.isdigit() else None
                 got = 0
@@ -185,7 +211,37 @@ class VideosClient:
             if expected is not None and got != expected:
                 raise _Truncated(got, expected)
             if got == 0:
-                raise self._error(f"GET {self.base_url}{path} answered an empty body instead of the video.")
+                raise self._error(f"GET {url or self.base_url + path} answered an empty body instead of the video.")
             destination.flush()
             return got
-        return self._with_retries("GET", path, call)
+        return self._with_retries("GET", path, call, where=url)
+
+
+class Multipart:
+    """A multipart/form-data body: text fields and files, in order (a field may repeat)."""
+
+    def __init__(self):
+        self.parts: list[tuple[str, str | bytes, str | None, str | None]] = []
+
+    def field(self, name: str, value) -> Multipart:
+        self.parts.append((name, str(value), None, None))
+        return self
+
+    def file(self, name: str, data: bytes, filename: str, media_type: str) -> Multipart:
+        self.parts.append((name, data, filename, media_type))
+        return self
+
+    def encoded(self) -> tuple[bytes, str]:
+        import uuid
+
+        boundary = f"h3stream{uuid.uuid4().hex}"
+        chunks = []
+        for name, value, filename, media_type in self.parts:
+            disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+            head = f"--{boundary}\r\nContent-Disposition: {disposition}\r\n"
+            if media_type:
+                head += f"Content-Type: {media_type}\r\n"
+            chunks += [head.encode("utf-8"), b"\r\n", value if isinstance(value, bytes) else value.encode("utf-8"),
+                       b"\r\n"]
+        chunks.append(f"--{boundary}--\r\n".encode("ascii"))
+        return b"".join(chunks), f"multipart/form-data; boundary={boundary}"
