@@ -160,9 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "Written under a temporary name and renamed when complete: an existing file is replaced "
                         "only by a finished video")
     g.add_argument("--server", metavar="URL",
-                   help="run on an SGLang diffusion server serving H3 (its OpenAI-style videos API, e.g. "
-                        "http://gpu-box:30010) instead of this machine; --model and the memory flags are then ignored. "
-                        "API key: the H3_STREAM_API_KEY environment variable")
+                   help="run on an SGLang diffusion or vLLM-Omni server serving H3 (its OpenAI-style videos API, "
+                        "e.g. http://gpu-box:30010) instead of this machine; --model and the memory flags are then "
+                        "ignored. The server makes 4 to 15 s at its own canvases (checked before sending). API key: "
+                        "the H3_STREAM_API_KEY environment variable")
+    g.add_argument("--backend", choices=("auto", "sglang", "vllm-omni"), default="auto",
+                   help="with --server: the server's engine (auto: as its model card says)")
     g.add_argument("--yes-large", action="store_true",
                    help="run a request past the large-request thresholds (canvas over 1920x1088 pixels, more than "
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
@@ -308,6 +311,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         from .remote_cli import check_remote_flags
 
         check_remote_flags(args)
+    elif args.backend != "auto":
+        raise CliError(f"--backend {args.backend}: names a server's engine; give --server URL too, or drop it.")
     request = check_arguments(args, say)
     out = Path(args.out).expanduser()
     before = _identity(out)

@@ -1,5 +1,5 @@
-"""`python -m h3_core generate ... --server URL`: the same request and the same mp4, made by an SGLang diffusion
-server (h3_core.remote.RemoteEngine) instead of this machine."""
+"""`python -m h3_core generate ... --server URL`: the same request and the same mp4, made by an SGLang diffusion or
+vLLM-Omni server (h3_core.remote.RemoteEngine) instead of this machine."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ def check_remote_flags(args) -> None:
 
     check_server_url(args.server, "--server")
     if args.lora:
-        raise H3Error("--lora: a remote server applies its own LoRAs (start it with sglang serve --lora-path, or "
-                      "use its /v1/set_lora endpoint); LoRA files on this machine are not sent. Drop --lora, or "
-                      "drop --server to run locally.")
+        raise H3Error("--lora: a remote server applies its own LoRAs (SGLang: sglang serve --lora-path, or its "
+                      "/v1/set_lora endpoint); LoRA files on this machine are not sent. Drop --lora, or drop "
+                      "--server to run locally.")
 
 
 def generate_remote(args, request, out, before, say, bar) -> list:
@@ -33,7 +33,7 @@ def generate_remote(args, request, out, before, say, bar) -> list:
     if ignored:
         say(f"note: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored with --server: the server "
             "runs its own model with its own memory settings")
-    engine = RemoteEngine(url, partition=args.partition, log=say)
+    engine = RemoteEngine(url, partition=args.partition, backend=args.backend, log=say)
     say(f"server {url}: {engine.describe_server()}")
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
         f"{request.steps - 1} model calls, seed {request.seed}, on {url}")
