@@ -1,5 +1,6 @@
-"""H3 Generate (remote server) against the comfy test double and the local videos-API stand-in
-(tests/videos_api_server.py): contract tests of the node's side, not of a real SGLang server."""
+"""H3 Generate (remote server) against the comfy test double and the videos-API stand-in (tests/videos_api_server.py):
+the node's own side (progress per client, failures, the widget names, the key); the node against SGLang's own server
+code is in tests/test_remote_sglang.py."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import pytest
 
 import comfy_double
-from videos_api_server import Behaviour, VideosApiServer
+from videos_api_server import FRAMES, HEIGHT, WIDTH, Behaviour, VideosApiServer
 
 KEY = "sk-node-contract-42"
-REQUEST = dict(prompt="A fox in the snow.", width=96, height=64, seconds=1.0, frames=5, steps=3, seed=7,
+REQUEST = dict(prompt="A fox in the snow.", width=WIDTH, height=HEIGHT, seconds=4.5, frames=FRAMES, steps=3, seed=7,
                video_shift=12.0, audio_shift=3.0)
 
 
@@ -46,14 +47,15 @@ def test_the_node_gives_image_audio_and_fps_with_the_servers_progress(pack):
             images, audio, fps = run(pack, server_url=api.url, **REQUEST)
     finally:
         comfy_server.PromptServer.instance.client_id = None
-    assert images.shape == (5, 64, 96, 3) and 0 <= images.min() and images.max() <= 1
-    assert audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, 6667) and fps == 24.0
+    assert images.shape == (FRAMES, HEIGHT, WIDTH, 3) and 0 <= images.min() and images.max() <= 1
+    assert audio["sample_rate"] == 32000 and audio["waveform"].shape == (1, 2, 142667) and fps == 24.0
     updates = [(node, done, total) for node, done, total in comfy.utils.UPDATES if node == "9"]
     assert updates[-1] == ("9", 100, 100) and len(updates) >= 3  # 0 %, the server's in-between percent, 100 %
     texts = [data["text"] for event, data, client in comfy_server.PromptServer.instance.messages
              if event == "progress_text" and data["node"] == "9" and client == "tab-a"]
-    assert texts[0] == f"{api.url}: MiniMaxAI/MiniMax-H3, FL2VA, 4 GPU(s), transformer bf16"
-    assert "remote job in_progress 33%" in texts and texts[-1] == "remote job completed 100%"
+    assert texts[0] == f"{api.url}: MiniMaxAI/MiniMax-H3, SGLang, 4 GPU(s), transformer bf16"
+    assert "remote job in_progress 33%" in texts and "remote job completed 100%" in texts
+    assert texts[-1] == f"downloaded 0.1 MiB from {api.url}"  # the engine's own lines are shown on the node too
 
 
 def test_cancel_in_comfyui_cancels_the_job_on_the_server(pack):
@@ -89,7 +91,7 @@ def test_the_key_comes_from_the_environment_and_stays_out_of_the_workflow(pack, 
     monkeypatch.setenv("H3_STREAM_API_KEY", KEY)
     with VideosApiServer(Behaviour(required_key=KEY, polls_until_done=0)) as api:
         images, _, _ = run(pack, server_url=api.url, **REQUEST)
-    assert images.shape[0] == 5
+    assert images.shape[0] == FRAMES
     schema = node_info(pack["H3StreamGenerateRemote"])
     assert not any("key" in name for group in schema["input"].values() for name in group)  # no widget holds it
     assert KEY not in json.dumps(schema)

@@ -268,27 +268,27 @@ def test_every_example_is_run_by_a_test():
 
 
 @pytest.mark.parametrize("path", REMOTE_API_FILES, ids=lambda p: p.stem)
-def test_remote_example_runs_against_a_videos_api_server(path, executor):
-    """The remote-engine example against the local videos-API stand-in (tests/videos_api_server.py, a contract test,
-    not SGLang): its server address and, to keep the stand-in's mp4 small, its canvas and length are pointed at the
-    test server's; the graph, the nodes and the saves are the example's."""
+def test_remote_example_runs_against_sglangs_own_server(path, executor, sglang_servers):
+    """The remote-engine example against SGLang 0.5.23's own server code (tests/engine_servers.py): its server
+    address and, to keep the job small, its canvas and length are pointed at the smallest request the server makes;
+    the graph, the nodes and the saves are the example's."""
     from comfy_double.core_nodes import SAVED
-    from videos_api_server import Behaviour, VideosApiServer, make_mp4
 
     from h3_core.request.grid import audio_samples_for_frames
 
+    server = sglang_servers["fl2va"]
     prompt = json.loads(path.read_text())
     remote = next(node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamGenerateRemote")
     assert remote["server_url"].startswith("http://") and (remote["width"], remote["height"]) == (1344, 768)
     SAVED.clear()
-    with VideosApiServer(Behaviour(polls_until_done=0, mp4=make_mp4(num_frames=5, width=96, height=64))) as server:
-        remote.update(server_url=server.url, width=96, height=64, frames=5)
-        result = executor.run(prompt)
-        assert len(server.requests("POST", "^/v1/videos$")) == 1
+    posts = len(server.requests("POST", "/v1/videos"))
+    remote.update(server_url=server.url, width=128, height=64, frames=107)
+    result = executor.run(prompt)
+    assert len(server.requests("POST", "/v1/videos")) == posts + 1
     video, audio = SAVED
     assert video["node"] == "SaveVideo" and audio["node"] == "SaveAudioAdvanced"
-    assert tuple(video["images"].shape) == (5, 64, 96, 3) and video["frame_rate"] == 24
+    assert tuple(video["images"].shape) == (107, 64, 128, 3) and video["frame_rate"] == 24
     assert video["audio"] is audio["audio"]
-    assert audio["audio"]["waveform"].shape == (1, 2, audio_samples_for_frames(5))
+    assert audio["audio"]["waveform"].shape == (1, 2, audio_samples_for_frames(107))
     assert audio["audio"]["sample_rate"] == 32000
     assert {k for k, n in prompt.items() if n["class_type"] in ("SaveVideo", "SaveAudioAdvanced")} <= set(result.ui)

@@ -1,14 +1,16 @@
-"""A local stand-in for an SGLang diffusion server, for contract tests: it follows the videos API as documented
-(h3_core/remote/protocol.py lists what was read) — `GET /models`, `POST /v1/videos`, `GET /v1/videos/{id}`,
-`DELETE /v1/videos/{id}`, `GET /v1/videos/{id}/content`, FastAPI-style `{"detail": ...}` errors — and can misbehave
-on cue (error answers, a failing or endless job, a cut-short download). It is not SGLang: passing against it shows the
-client keeps the documented contract, not that a real server behaves so.
+"""A local stand-in for an SGLang diffusion server, for the failure cases a real one cannot be made to show on cue
+(error answers, 5xx, a failing or endless job, a cut-short download, a server that echoes credentials, a video of
+another size). The protocol itself is tested against SGLang's own server code (tests/test_remote_sglang.py); this
+stand-in answers as that code does where it answers at all — `GET /v1/models` (a card owned by "sglang"),
+`POST /v1/videos`, `GET /v1/videos/{id}`, `DELETE /v1/videos/{id}`, `GET /v1/videos/{id}/content`, FastAPI-style
+`{"detail": ...}` errors.
 
 Its mp4s are written with PyAV directly (the reference library), not with h3-stream's writer.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import re
@@ -18,9 +20,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 
-H3_INFO = {"model_path": "MiniMaxAI/MiniMax-H3", "task_type": "TI2V", "pipeline_name": "minimax_h3",
-           "pipeline_class": "MiniMaxH3Pipeline", "num_gpus": 4, "dit_precision": "bf16", "vae_precision": "bf16",
-           "model_variant": "fl2va"}
+# The card SGLang 0.5.23's GET /v1/models answers for H3 (common_api.py), on 4 GPUs.
+H3_INFO = {"id": "MiniMaxAI/MiniMax-H3", "object": "model", "owned_by": "sglang", "root": "MiniMaxAI/MiniMax-H3",
+           "num_gpus": 4, "task_type": "TI2V", "supported_task_types": ["TI2V"], "dit_precision": "bf16",
+           "vae_precision": "fp32", "pipeline_name": "MiniMaxH3Pipeline", "pipeline_class": "MiniMaxH3Pipeline"}
+# The smallest request an SGLang H3 server serves: 16:9 at short edge 64 (128x64), 4.46 s (107 frames).
+WIDTH, HEIGHT, FRAMES = 128, 64, 107
 
 
 def source_frames(num_frames: int, height: int, width: int) -> np.ndarray:
@@ -40,8 +45,9 @@ def source_audio(num_samples: int, rate: int) -> np.ndarray:
     return np.stack([0.4 * np.sin(2 * np.pi * 440 * t), 0.4 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
 
 
-def make_mp4(num_frames: int = 5, width: int = 96, height: int = 64, fps: int = 24, sample_rate: int = 32000,
-             audio: bool = True) -> bytes:
+@functools.lru_cache(maxsize=16)
+def make_mp4(num_frames: int = FRAMES, width: int = WIDTH, height: int = HEIGHT, fps: int = 24,
+             sample_rate: int = 32000, audio: bool = True) -> bytes:
     import av
 
     buffer = io.BytesIO()
@@ -91,6 +97,8 @@ class Behaviour:
     content_errors: list = field(default_factory=list)
     truncated_downloads: int = 0  # this many content answers stop halfway
     required_key: str | None = None  # answer 401 (echoing the header received) without this Bearer key
+    result_url: str | None = None  # the completed job carries this `url` and /content refuses, as SGLang's does
+    #                                with cloud storage
 
 
 class VideosApiServer:
@@ -156,8 +164,8 @@ class VideosApiServer:
                 if b.required_key and self.headers.get("Authorization") != f"Bearer {b.required_key}":
                     # Echoes what it received, as a careless server might: the client must not repeat it.
                     return self._send(401, {"detail": f"bad credentials: {self.headers.get('Authorization')}"})
-                if method == "GET" and self.path == "/models":
-                    return self._send(200, b.info)
+                if method == "GET" and self.path == "/v1/models":
+                    return self._send(200, {"object": "list", "data": [b.info]})
                 if method == "POST" and self.path == "/v1/videos":
                     if b.create_errors:
                         return self._send(*b.create_errors.pop(0))
@@ -179,6 +187,9 @@ class VideosApiServer:
                         job["status"] = "deleted"
                     return self._send(200, server._public(video_id))
                 if content:
+                    if b.result_url:
+                        return self._send(400, {"detail": "Video has been uploaded to cloud storage. Please use the "
+                                                          f"cloud URL: {b.result_url}"})
                     if b.content_errors:
                         return self._send(*b.content_errors.pop(0))
                     if job["status"] != "completed":
@@ -206,6 +217,8 @@ class VideosApiServer:
                             job["status"], job["error"] = "failed", {"message": b.job_failure}
                         else:
                             job["status"], job["progress"] = "completed", 100
+                            if b.result_url:
+                                job["url"] = b.result_url
                 return self._send(200, server._public(video_id))
 
             def do_GET(self):

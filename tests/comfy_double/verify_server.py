@@ -9,9 +9,9 @@ Mistakes in an API prompt (a residency that is not a widget value, a device the 
 source or memory profile, a partition spelled ref2va; with Load H3 and with the legacy loader) are refused with HTTP 400
 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
-The remote-engine example runs against a local videos-API stand-in (tests/videos_api_server.py) started here, its
-server address and canvas pointed at it; a second, endless remote job is cancelled with /interrupt and must be deleted
-on the stand-in.
+The remote-engine example runs against SGLang's and vLLM-Omni's own servers (tests/engine_servers.py, started here from
+the venvs tests/real_servers/build_*_venv.sh build), its server address and canvas pointed at each; a second, long
+remote job on each is cancelled with /interrupt: SGLang must get the DELETE (its job runs on), vLLM-Omni must abort.
 """
 
 from __future__ import annotations
@@ -154,17 +154,22 @@ def core_latent_prompt() -> dict:
     return prompt
 
 
-def pointed_at(prompt: dict, url: str) -> dict:
-    """A remote-engine prompt sent to the stand-in at `url`, at the stand-in's canvas (96x64, 5 frames)."""
+def pointed_at(prompt: dict, url: str, steps: int | None = None) -> dict:
+    """A remote-engine prompt sent to the server at `url`, at the smallest request the servers make (128x64, 107
+    frames)."""
     for spec in prompt.values():
         if spec["class_type"] == "H3StreamGenerateRemote":
-            spec["inputs"].update(server_url=url, width=96, height=64, frames=5, seed=int(time.time()))
+            spec["inputs"].update(server_url=url, width=128, height=64, frames=107, seed=int(time.time()))
+            if steps:
+                spec["inputs"]["steps"] = steps
     return prompt
 
 
-def prompts(stand_in_url: str) -> list[tuple[str, dict]]:
-    examples = [(path.name, pointed_at(json.loads(path.read_text()), stand_in_url))
-                for path in sorted((PACK / "example_workflows" / "api").glob("*.json"))]
+def prompts(remote_urls: list[str]) -> list[tuple[str, dict]]:
+    remote = PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json"
+    examples = [(path.name, json.loads(path.read_text()))
+                for path in sorted((PACK / "example_workflows" / "api").glob("*.json")) if path != remote]
+    examples += [(f"{remote.name} on {url}", pointed_at(json.loads(remote.read_text()), url)) for url in remote_urls]
     legacy = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     loader = next(k for k, v in legacy.items() if v["class_type"] == "H3StreamModelLoader")
     legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
@@ -178,24 +183,44 @@ def prompts(stand_in_url: str) -> list[tuple[str, dict]]:
     return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)] + saved
 
 
-def remote_cancel_deletes_the_job(server: str) -> bool:
-    """Queue the remote example against an endless stand-in job, press Cancel (/interrupt): the job is deleted."""
-    from videos_api_server import Behaviour, VideosApiServer, make_mp4
-
-    with VideosApiServer(Behaviour(endless=True, mp4=make_mp4())) as stand_in:
-        prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json")
-                                       .read_text()), stand_in.url)
-        call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
-        deadline = time.time() + 120
-        while not stand_in.requests("GET", "^/v1/videos/video_1$") and time.time() < deadline:
+def remote_cancel(server: str, engine) -> bool:
+    """Queue the remote example as a long job, press Cancel (/interrupt): the DELETE reaches the engine, and vLLM-Omni
+    aborts the job."""
+    deletes = len(engine.requests("DELETE", "/v1/videos/"))
+    polls = len(engine.requests("GET", "/v1/videos/"))
+    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json").read_text()),
+                        engine.url, steps=200)
+    call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+    deadline = time.time() + 120
+    while len(engine.requests("GET", "/v1/videos/")) == polls and time.time() < deadline:
+        time.sleep(0.2)
+    urllib.request.urlopen(urllib.request.Request(f"{server}/interrupt", data=b"{}", method="POST",
+                                                  headers={"Content-Type": "application/json"}), timeout=60)
+    while len(engine.requests("DELETE", "/v1/videos/")) == deletes and time.time() < deadline:
+        time.sleep(0.2)
+    ok = len(engine.requests("DELETE", "/v1/videos/")) == deletes + 1
+    if engine.engine == "vllm-omni":
+        while not engine.aborted() and time.time() < deadline:
             time.sleep(0.2)
-        urllib.request.urlopen(urllib.request.Request(f"{server}/interrupt", data=b"{}", method="POST",
-                                                      headers={"Content-Type": "application/json"}), timeout=60)
-        while not stand_in.deleted and time.time() < deadline:
-            time.sleep(0.2)
-        ok = stand_in.deleted == ["video_1"]
-    print(f"remote cancel: job deleted on the server: {ok}{'' if ok else '  <-- FAILED'}")
+        ok = ok and bool(engine.aborted())
+    print(f"remote cancel on {engine.engine}: DELETE sent{', job aborted' if engine.engine == 'vllm-omni' else ''}: "
+          f"{ok}{'' if ok else '  <-- FAILED'}")
     return ok
+
+
+def start_engines(work: Path) -> list:
+    """SGLang's and vLLM-Omni's own servers, those whose venv is built (each says so when it is not)."""
+    from engine_servers import SGLangServer, VllmOmniServer, unavailable
+
+    engines = []
+    for name, make in (("sglang", lambda: SGLangServer(work / "sglang", "fl2va", step_seconds=0.1)),
+                       ("vllm-omni", lambda: VllmOmniServer(work / "vllm-omni", step_seconds=0.1))):
+        reason = unavailable(name)
+        if reason:
+            print(f"remote engine {name}: not started ({reason})  <-- NOT CHECKED")
+            continue
+        engines.append(make().start())
+    return [engine.wait_ready() for engine in engines]
 
 
 def main() -> int:
@@ -205,10 +230,12 @@ def main() -> int:
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
     sys.path.insert(0, str(PACK / "tests"))
-    from videos_api_server import Behaviour, VideosApiServer, make_mp4
+    import tempfile
 
-    stand_in = VideosApiServer(Behaviour(polls_until_done=1, mp4=make_mp4())).__enter__()
-    for name, prompt in prompts(stand_in.url):
+    work = Path(tempfile.mkdtemp(prefix="h3-verify-engines-"))
+    engines = start_engines(work)
+    failures += len(engines) < 2
+    for name, prompt in prompts([engine.url for engine in engines]):
         started = time.time()
         queued = call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
         history = wait_for(server, queued["prompt_id"])
@@ -223,8 +250,9 @@ def main() -> int:
         print(f"{name}: {status} in {time.time() - started:.1f} s; saved {names}{'' if ok else '  <-- FAILED'}")
         if status != "success":
             print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
-    stand_in.__exit__(None, None, None)
-    failures += not remote_cancel_deletes_the_job(server)
+    for engine in engines:
+        failures += not remote_cancel(server, engine)
+        engine.__exit__(None, None, None)
     example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
