@@ -292,6 +292,12 @@ def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(run_cli, tmp_path)
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
 
 
+def test_backend_without_a_server_is_one_line_with_exit_code_2(run_cli, tmp_path):
+    done = run_cli(["generate", "x", "--backend", "vllm-omni", *CLI_REQUEST], tmp_path)
+    assert done.returncode == 2 and done.stderr == ("error: --backend vllm-omni: names a server's engine; give --server "
+                                                    "URL too, or drop it.\n")
+
+
 def test_the_cli_refuses_local_loras_with_a_server(run_cli, tmp_path):
     lora = tmp_path / "turbo.safetensors"
     from safetensors.torch import save_file

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from cli_fixtures import default_sigint
-from PIL import Image
+from reference_media import picture, tone
 
 from h3_core.errors import H3Error, RemoteError
 from h3_core.remote import RemoteEngine
@@ -49,16 +49,6 @@ def wait_for_jobs(server, count: int, timeout: float = 30.0) -> list[dict]:
     while len(server.jobs()) < count and time.monotonic() < deadline:
         time.sleep(0.05)
     return server.jobs()
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    generator = np.random.default_rng(seed)
-    return Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def tone(seconds: float, rate: int = 32000) -> torch.Tensor:
-    t = torch.arange(int(seconds * rate)) / rate
-    return torch.stack([0.3 * torch.sin(2 * torch.pi * 440 * t), 0.3 * torch.sin(2 * torch.pi * 660 * t)])
 
 
 # ---- the Python API ---------------------------------------------------------------------------------------------
@@ -182,7 +172,9 @@ def test_a_request_the_server_would_refuse_is_refused_before_sending(fl2va, fiel
 
 def test_references_for_a_server_stated_fl2va_are_refused_before_sending(fl2va):
     posts = len(fl2va.requests("POST", "/v1/videos"))
-    with pytest.raises(H3Error, match="^references need H3's REF2VA partition but partition FL2VA"):
+    with pytest.raises(H3Error, match=r"^references need H3's REF2VA partition but partition is FL2VA; point at a "
+                                      r"server started with sglang serve --model-path MiniMaxAI/MiniMax-H3 "
+                                      r"--model-variant ref2va --port 30010, and set partition ref2va\.$"):
         engine(fl2va, partition="fl2va").generate("x", **REQUEST, reference_images=[picture(64, 64)])
     assert len(fl2va.requests("POST", "/v1/videos")) == posts
 

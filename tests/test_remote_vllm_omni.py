@@ -19,7 +19,7 @@ import pytest
 import torch
 from cli_fixtures import default_sigint
 from engine_servers import VLLM_OMNI_KEY as KEY
-from PIL import Image
+from reference_media import picture, tone
 
 from h3_core.errors import H3Error, RemoteError
 from h3_core.remote import RemoteEngine
@@ -43,16 +43,6 @@ def api_key(monkeypatch):
 
 def engine(server, **options) -> RemoteEngine:
     return RemoteEngine(server.url, **{"poll_interval": 0.02, **options})
-
-
-def picture(width: int, height: int, seed: int = 0) -> Image.Image:
-    generator = np.random.default_rng(seed)
-    return Image.fromarray(generator.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def tone(seconds: float, rate: int = 32000) -> torch.Tensor:
-    t = torch.arange(int(seconds * rate)) / rate
-    return torch.stack([0.3 * torch.sin(2 * torch.pi * 440 * t), 0.3 * torch.sin(2 * torch.pi * 660 * t)])
 
 
 def test_t2va_completes_with_the_card_told_apart_and_the_canvas_exact(server):

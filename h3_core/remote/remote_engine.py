@@ -142,7 +142,8 @@ class RemoteEngine:
             raise RemoteError(f"the server at {self.url} serves {name}, not MiniMax H3; start it with "
                               f"{api.START_COMMAND.format(partition='fl2va')}.")
         task = serving_rules.task_of(request)
-        serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url, api.NAME)
+        serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url,
+                                      api.START_COMMAND)
         api.check(request)
         return api
 

@@ -142,14 +142,15 @@ def server_target(request: GenerationRequest, engine: str, *, whole_seconds: boo
     return ServerTarget(short_edge, ratio, choose_duration(request, engine, whole_seconds=whole_seconds))
 
 
-def check_partition(task: str, served: str | None, asked: str | None, url: str, engine: str) -> None:
-    """Refuse a task the server's (or the user's stated) partition does not serve."""
+def check_partition(task: str, served: str | None, asked: str | None, url: str, start_command: str) -> None:
+    """Refuse a task the server's (or the user's stated) partition does not serve. `start_command` has a
+    `{partition}` field: how the engine is started for one."""
     partition = served or asked
     needed = PARTITION_OF_TASK[task]
     if partition and partition != needed:
         what = {TASK_TEXT: "a text-to-video request", TASK_KEYFRAMES: "keyframes",
                 TASK_REFERENCES: "references"}[task]
-        who = f"the server at {url} serves" if served else "partition"
+        who = f"the server at {url} serves" if served else "partition is"
         raise H3Error(f"{what} need H3's {needed.upper()} partition but {who} {partition.upper()}; point at a "
-                      f"{engine} server started with --model-variant {needed}"
-                      + ("" if served else f", or set partition {needed}") + ".")
+                      f"server started with {start_command.format(partition=needed)}"
+                      + ("" if served else f", and set partition {needed}") + ".")
