@@ -60,6 +60,10 @@ class H3StreamGenerateRemote(io.ComfyNode):
                                      "ref2va)."),
                 io.Combo.Input("backend", options=["auto", "sglang", "vllm-omni"], default="auto", optional=True,
                                tooltip="The server's engine; auto: as its model card says."),
+                io.String.Input("server_lora", default="", optional=True,
+                                tooltip="A LoRA file already on the server, PATH[:STRENGTH] (its path there), for this "
+                                        "request: vLLM-Omni. An SGLang server's LoRA is set when it starts "
+                                        "(sglang serve --lora-path). Empty: none."),
             ],
             outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio"),
                      io.Float.Output(display_name="fps")],
@@ -74,7 +78,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
 
     @classmethod
     def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
-                first_frame=None, last_frame=None, h3_refs=None, backend="auto") -> io.NodeOutput:
+                first_frame=None, last_frame=None, h3_refs=None, backend="auto", server_lora="") -> io.NodeOutput:
         from h3_core.remote import RemoteEngine
         from h3_core.remote.videos_client import check_server_url
         from h3_core.request.generation_request import GenerationRequest
@@ -97,7 +101,8 @@ class H3StreamGenerateRemote(io.ComfyNode):
         comfy_runtime.check_interrupt()
         comfy_runtime.send_progress_text(node_id, f"{url}: {engine.describe_server()}")
         bar = comfy_runtime.progress_bar(100, node_id=node_id)
-        result = engine.generate(request, progress=lambda done, total: bar.update_absolute(done, total),
+        result = engine.generate(request, server_lora=server_lora or None,
+                                 progress=lambda done, total: bar.update_absolute(done, total),
                                  check_interrupt=comfy_runtime.check_interrupt,
                                  on_status=lambda text: comfy_runtime.send_progress_text(node_id, f"remote job {text}"))
         return io.NodeOutput(result.frames, {"waveform": result.waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},

@@ -190,7 +190,8 @@ def test_what_the_server_cannot_serve_is_refused_before_sending(info, message):
 
 def test_local_lora_files_are_refused_before_anything_is_sent(tmp_path):
     with VideosApiServer() as server:
-        with pytest.raises(H3Error, match="^loras: a remote server applies its own LoRAs"):
+        with pytest.raises(H3Error, match="^loras: LoRA files on this machine are not sent to a server; name one "
+                                          "already on the server with server_lora"):
             engine(server).generate("x", **REQUEST, loras=[(tmp_path / "a.safetensors", 1.0)])
         assert server.seen == []
 
@@ -292,10 +293,14 @@ def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(run_cli, tmp_path)
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
 
 
-def test_backend_without_a_server_is_one_line_with_exit_code_2(run_cli, tmp_path):
+def test_server_flags_without_a_server_are_one_line_with_exit_code_2(run_cli, tmp_path):
     done = run_cli(["generate", "x", "--backend", "vllm-omni", *CLI_REQUEST], tmp_path)
     assert done.returncode == 2 and done.stderr == ("error: --backend vllm-omni: names a server's engine; give --server "
                                                     "URL too, or drop it.\n")
+    done = run_cli(["generate", "x", "--server-lora", "/models/turbo.safetensors", *CLI_REQUEST], tmp_path)
+    assert done.returncode == 2 and done.stderr == ("error: --server-lora /models/turbo.safetensors: is for a server; "
+                                                    "give --server URL too, or drop it (a LoRA file on this machine "
+                                                    "goes with --lora).\n")
 
 
 def test_the_cli_refuses_local_loras_with_a_server(run_cli, tmp_path):
@@ -304,7 +309,8 @@ def test_the_cli_refuses_local_loras_with_a_server(run_cli, tmp_path):
 
     save_file({"x": torch.zeros(1)}, str(lora))
     done = run_cli(["generate", "x", "--server", "http://127.0.0.1:9", *CLI_REQUEST, "--lora", str(lora)], tmp_path)
-    assert done.returncode == 2 and done.stderr.startswith("error: --lora: a remote server applies its own LoRAs")
+    assert done.returncode == 2 and done.stderr.startswith("error: --lora: LoRA files on this machine are not sent to a "
+                                                           "server; name one already on the server with --server-lora")
 
 
 @pytest.mark.parametrize("server,message", [

@@ -170,6 +170,19 @@ def test_a_request_the_server_would_refuse_is_refused_before_sending(fl2va, fiel
     assert len(fl2va.requests("POST", "/v1/videos")) == posts  # nothing was sent
 
 
+def test_a_per_request_lora_is_refused_before_sending_saying_where_sglang_takes_one(fl2va, run_cli, tmp_path):
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    with pytest.raises(H3Error, match=r"^server_lora /models/loras/turbo.safetensors: SGLang applies LoRAs to the "
+                                      r"whole server, not per request \(sglang serve --lora-path PATH, or its POST "
+                                      r"/v1/set_lora endpoint\)"):
+        engine(fl2va).generate("x", **REQUEST, server_lora="/models/loras/turbo.safetensors")
+    done = run_cli(["generate", "x", "--server", fl2va.url, "--size", "128x64", "--frames", "107", "--server-lora",
+                    "/models/loras/turbo.safetensors:0.8", "--out", "x.mp4"], tmp_path)
+    assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith(
+        "error: --server-lora /models/loras/turbo.safetensors: SGLang applies LoRAs to the whole server")
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts
+
+
 def test_references_for_a_server_stated_fl2va_are_refused_before_sending(fl2va):
     posts = len(fl2va.requests("POST", "/v1/videos"))
     with pytest.raises(H3Error, match=r"^references need H3's REF2VA partition but partition is FL2VA; point at a "

@@ -138,6 +138,19 @@ def test_a_video_the_server_would_refuse_goes_as_a_local_run_normalised_it():
     assert sent_fitting is not None and sent_fitting.shape == (72, 256, 384, 3) and rate_fitting == 24.0
 
 
+def test_a_lora_on_the_server_goes_with_the_request(server, run_cli, tmp_path):
+    """vLLM-Omni applies a LoRA per request (its `lora` form object): its parser hands the engine the adapter."""
+    before = len(server.jobs())
+    engine(server).generate("x", **REQUEST, server_lora="/models/loras/h3-turbo.safetensors:0.75")
+    assert server.jobs()[before]["lora"] == {"name": "h3-turbo", "path": "/models/loras/h3-turbo.safetensors",
+                                             "scale": 0.75}
+    done = run_cli(["generate", "x", "--server", server.url, "--size", "128x64", "--frames", "107", "--steps", "2",
+                    "--server-lora", "/models/loras/style.safetensors", "--out", "x.mp4"], tmp_path,
+                   H3_STREAM_API_KEY=KEY)
+    assert done.returncode == 0, done.stderr
+    assert server.jobs()[-1]["lora"] == {"name": "style", "path": "/models/loras/style.safetensors", "scale": 1.0}
+
+
 def test_a_job_the_server_fails_is_one_message_with_its_reason(server, monkeypatch):
     """A failed job answers GET with HTTP 400 and the job as the body: read as the job's failure, not as a refusal
     of the poll (and not cancelled). The server's own keyframe check is reached by lifting this client's copy of
@@ -188,7 +201,9 @@ def test_the_node_completes_ref2va_from_h3_references(server, tmp_path):
 
     image = torch.from_numpy(np.asarray(picture(384, 256), dtype=np.float32) / 255)[None]
     (refs,) = run_node(pack["H3StreamReferenceMedia"], "3", ref_image_size="reference", ref_image_1=image)
-    images, audio, fps = run_node(pack["H3StreamGenerateRemote"], "9", server_url=server.url,
+    images, _, fps = run_node(pack["H3StreamGenerateRemote"], "9", server_url=server.url,
                                   prompt="A fox in the snow.", width=128, height=64, seconds=4.5, frames=107, steps=3,
-                                  seed=7, video_shift=12.0, audio_shift=3.0, h3_refs=refs, backend="vllm-omni")
+                                  seed=7, video_shift=12.0, audio_shift=3.0, h3_refs=refs, backend="vllm-omni",
+                                  server_lora="/models/loras/style.safetensors:0.5")
     assert images.shape == (107, 64, 128, 3) and fps == 24.0 and server.jobs()[-1]["task"] == "ref2va"
+    assert server.jobs()[-1]["lora"] == {"name": "style", "path": "/models/loras/style.safetensors", "scale": 0.5}

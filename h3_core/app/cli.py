@@ -47,7 +47,8 @@ def _flagged(flag: str, check, value, *args):
 CLI_NAMES = RequestNames(prompt="the prompt", num_frames="--frames", steps="--steps", seed="--seed",
                          video_shift="--video-shift", audio_shift="--audio-shift", first_frame="--first-frame",
                          last_frame="--last-frame", reference_images="--ref-image", reference_videos="--ref-video",
-                         reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora")
+                         reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora",
+                         server_lora="--server-lora")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -166,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the H3_STREAM_API_KEY environment variable")
     g.add_argument("--backend", choices=("auto", "sglang", "vllm-omni"), default="auto",
                    help="with --server: the server's engine (auto: as its model card says)")
+    g.add_argument("--server-lora", metavar="PATH[:STRENGTH]",
+                   help="with --server: a LoRA file already on the server (its path there), applied to this request "
+                        "(vLLM-Omni; an SGLang server's LoRA is set when it starts: sglang serve --lora-path)")
     g.add_argument("--yes-large", action="store_true",
                    help="run a request past the large-request thresholds (canvas over 1920x1088 pixels, more than "
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
@@ -311,8 +315,11 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         from .remote_cli import check_remote_flags
 
         check_remote_flags(args)
-    elif args.backend != "auto":
-        raise CliError(f"--backend {args.backend}: names a server's engine; give --server URL too, or drop it.")
+    elif args.backend != "auto" or args.server_lora:
+        flag = f"--backend {args.backend}" if args.backend != "auto" else f"--server-lora {args.server_lora}"
+        raise CliError(f"{flag}: is for a server; give --server URL too, or drop it (a LoRA file on this machine "
+                       "goes with --lora)." if args.server_lora else f"{flag}: names a server's engine; give --server "
+                       "URL too, or drop it.")
     request = check_arguments(args, say)
     out = Path(args.out).expanduser()
     before = _identity(out)

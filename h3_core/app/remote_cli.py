@@ -18,9 +18,9 @@ def check_remote_flags(args) -> None:
 
     check_server_url(args.server, "--server")
     if args.lora:
-        raise H3Error("--lora: a remote server applies its own LoRAs (SGLang: sglang serve --lora-path, or its "
-                      "/v1/set_lora endpoint); LoRA files on this machine are not sent. Drop --lora, or drop "
-                      "--server to run locally.")
+        raise H3Error("--lora: LoRA files on this machine are not sent to a server; name one already on the "
+                      "server with --server-lora PATH[:STRENGTH] (vLLM-Omni), or set it on the server (sglang serve "
+                      "--lora-path, or its /v1/set_lora endpoint). Drop --lora, or drop --server to run locally.")
 
 
 def generate_remote(args, request, out, before, say, bar) -> list:
@@ -38,7 +38,7 @@ def generate_remote(args, request, out, before, say, bar) -> list:
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
         f"{request.steps - 1} model calls, seed {request.seed}, on {url}")
     try:
-        result = engine.generate(request, progress=bar)
+        result = engine.generate(request, progress=bar, server_lora=args.server_lora)
     finally:
         bar.close()
     from ..request.media_files import write_outputs

@@ -133,7 +133,7 @@ class RemoteEngine:
             parts.append(f"transformer {card['dit_precision']}")
         return ", ".join(parts)
 
-    def check_servable(self, request: GenerationRequest):
+    def check_servable(self, request: GenerationRequest, server_lora=None):
         """Refuse, before anything is encoded or sent, a request the server cannot serve; returns the API."""
         card = self.model_card()
         name = card.get("id") or card.get("model_path") or card.get("pipeline_class") or "an unnamed model"
@@ -144,36 +144,38 @@ class RemoteEngine:
         task = serving_rules.task_of(request)
         serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url,
                                       api.START_COMMAND)
-        api.check(request)
+        api.check(request, server_lora)  # (a server LoRA's name in messages: request.names.server_lora)
         return api
 
     # -- one request -----------------------------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
-                 on_status: Callable[[str], None] | None = None, **fields) -> GenerationResult:
+                 on_status: Callable[[str], None] | None = None, server_lora=None, **fields) -> GenerationResult:
         """As `H3Pipeline.generate` (a `GenerationRequest`, or a prompt and its fields as keywords);
         `progress(done, 100)` follows the server's percent, `check_interrupt()` is called while waiting (whatever it
         raises cancels the job on the server and propagates), `on_status(text)` hears the job's status when it
-        changes."""
+        changes. `server_lora` ("PATH[:STRENGTH]" or (path, strength)) is a LoRA file already on the server, applied
+        to this request where the engine takes one per request (vLLM-Omni; SGLang's are the whole server's)."""
         request = GenerationRequest.of(request, fields)
+        server_lora = serving_rules.parse_server_lora(server_lora, request.names.server_lora)
         if request.loras:
-            raise H3Error(f"{request.names.loras}: a remote server applies its own LoRAs (sglang serve --lora-path, "
-                          "or its /v1/set_lora endpoint); LoRA files on this machine are not sent. Remove them, or "
-                          "run locally.")
+            raise H3Error(f"{request.names.loras}: LoRA files on this machine are not sent to a server; name one "
+                          "already on the server with server_lora (vLLM-Omni), or set it on the server (sglang serve "
+                          "--lora-path, or its /v1/set_lora endpoint). Remove them, or run locally.")
         self._check_interrupt = check_interrupt
         try:
             self._check()
-            api = self.check_servable(request)
+            api = self.check_servable(request, server_lora)
             materials = api.materials(request)
             self._check()
-            return self._run_job(api, request, materials, progress, on_status or (lambda text: None))
+            return self._run_job(api, request, materials, progress, on_status or (lambda text: None), server_lora)
         finally:
             self._check_interrupt = None
 
-    def _run_job(self, api, request, materials, progress, on_status) -> GenerationResult:
+    def _run_job(self, api, request, materials, progress, on_status, server_lora) -> GenerationResult:
         timings = {}
         started = time.perf_counter()
-        job = api.post_video(self.client, request, materials, self.model_card().get("id"))
+        job = api.post_video(self.client, request, materials, self.model_card().get("id"), server_lora)
         video_id = protocol.job_id(job)
         if video_id is None:
             raise RemoteError(f"POST {self.url}{protocol.VIDEOS_PATH} answered no job id; is this an {api.NAME} "

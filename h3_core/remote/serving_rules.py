@@ -154,3 +154,46 @@ def check_partition(task: str, served: str | None, asked: str | None, url: str, 
         raise H3Error(f"{what} need H3's {needed.upper()} partition but {who} {partition.upper()}; point at a "
                       f"server started with {start_command.format(partition=needed)}"
                       + ("" if served else f", and set partition {needed}") + ".")
+
+
+@dataclass(frozen=True)
+class ServerLora:
+    """A LoRA already on the server: its path there (never read here) and strength. `name` is what the server's
+    adapter cache calls it: the file's stem."""
+
+    path: str
+    strength: float = 1.0
+
+    @property
+    def name(self) -> str:
+        stem = self.path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+        return stem.rsplit(".", 1)[0] if "." in stem else stem
+
+
+def parse_server_lora(value, name: str = "server_lora") -> ServerLora | None:
+    """`PATH[:STRENGTH]` (a str), a (path, strength) pair, a `ServerLora` or None / "" (none); `name` is how the
+    surface calls it in messages (--server-lora in the CLI)."""
+    if value is None or isinstance(value, ServerLora):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return None
+        path, strength = text, 1.0
+        head, colon, tail = text.rpartition(":")
+        if colon and head:
+            try:
+                path, strength = head, float(tail)
+            except ValueError:
+                path = text
+    else:
+        try:
+            path, strength = value
+        except (TypeError, ValueError):
+            raise H3Error(f"{name}: give the LoRA's path on the server, optionally :STRENGTH (e.g. "
+                          f"/models/loras/turbo.safetensors:0.8), got {value!r}.") from None
+    if not isinstance(path, str) or not path.strip():
+        raise H3Error(f"{name}: give the LoRA's path on the server, e.g. /models/loras/turbo.safetensors.")
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+        raise H3Error(f"{name} {value!r}: the strength must be a finite number.")
+    return ServerLora(path.strip(), float(strength))

@@ -8,7 +8,8 @@ carries as `url`), `runtime/entrypoints/openai/common_api.py` (`GET /v1/models`:
 [card]}`, `owned_by` "sglang"; `/models` is deprecated), `.../minimax_h3/video_adapter.py` (`num_frames` and `fps`
 are refused, `guidance_scale` / `negative_prompt` too; the H3 fields are `task`, `conditions`, `target`,
 `audio_flow_shift`, `reference_resize_mode`) and `request_validation.py` (conditions of `type`, `uri`, `role`,
-`frame_index`; `data:` URIs are read, see `material_io.py`). The server has no API key of its own; a key is sent as a
+`frame_index`; `data:` URIs are read, see `material_io.py`). A LoRA is the whole server's (`--lora-path`,
+`/v1/set_lora`): the videos API takes none per request. The server has no API key of its own; a key is sent as a
 Bearer token for a gateway in front of it. Neither the card nor any endpoint names the partition (`--model-variant`):
 a task of the other partition is accepted, then failed by the GPU pipeline ("task 'ref2va' is not served by MiniMax
 H3 partition 'fl2va'").
@@ -19,6 +20,7 @@ Start it for H3 (MiniMax's README):
 
 from __future__ import annotations
 
+from ..errors import H3Error
 from ..request.generation_request import GenerationRequest
 from . import protocol, serving_rules
 from .materials import Material, request_materials
@@ -31,8 +33,12 @@ START_COMMAND = "sglang serve --model-path MiniMaxAI/MiniMax-H3 --model-variant 
 PARTITION_REFUSAL = "is not served by MiniMax H3 partition"
 
 
-def check(request: GenerationRequest) -> None:
+def check(request: GenerationRequest, server_lora=None) -> None:
     """Every limit the server enforces, before anything is encoded or sent."""
+    if server_lora is not None:
+        raise H3Error(f"{request.names.server_lora} {server_lora.path}: SGLang applies LoRAs to the whole server, not per request "
+                      "(sglang serve --lora-path PATH, or its POST /v1/set_lora endpoint); set it there and drop "
+                      f"{request.names.server_lora}, or use a vLLM-Omni server.")
     serving_rules.server_target(request, NAME)
     serving_rules.check_seed(request, NAME)
 
@@ -41,7 +47,8 @@ def materials(request: GenerationRequest) -> list[Material]:
     return request_materials(request)
 
 
-def post_video(client, request: GenerationRequest, materials: list[Material], model: str | None) -> dict:
+def post_video(client, request: GenerationRequest, materials: list[Material], model: str | None,
+               server_lora=None) -> dict:
     return client.post_json(protocol.VIDEOS_PATH, create_video_body(request, materials, model))
 
 

@@ -17,7 +17,8 @@ does not meet them is sent as a local run normalised it: 24 fps on its canvas); 
 2 to 15 s each and 15 s in all; a ref2va request of images only names its task in `extra_params`). The model card
 (`GET /v1/models`, no `/models`) is owned by "vllm" and names neither the task nor the partition: a task the loaded
 checkpoint lacks fails the job ("checkpoint partition 'fl2va' supports [...], got task='ref2va'"). `--api-key`
-guards `/v1/*` with a Bearer token.
+guards `/v1/*` with a Bearer token. A LoRA on the server goes per request as the `lora` form field, a JSON object of
+`name`, `path` and `scale` (`entrypoints/openai/utils.py` `parse_lora_request`).
 
 Start it for H3 (all three tasks from one server: `--task-type auto`, the default, loads both partitions):
     vllm serve MiniMaxAI/MiniMax-H3 --omni --port 30010
@@ -84,8 +85,8 @@ def _reference_videos(request: GenerationRequest, references) -> list:
     return chosen
 
 
-def check(request: GenerationRequest) -> None:
-    """Every limit the server enforces, before anything is encoded or sent."""
+def check(request: GenerationRequest, server_lora=None) -> None:
+    """Every limit the server enforces, before anything is encoded or sent (a server LoRA is the server's to find)."""
     names = request.names
     serving_rules.choose_aspect(request, serving_rules.task_of(request), NAME, any_canvas=True)
     serving_rules.choose_duration(request, NAME)
@@ -141,8 +142,9 @@ def materials(request: GenerationRequest) -> list[Material]:
     return request_materials(request, images=images, videos=_reference_videos(request, references))
 
 
-def post_video(client, request: GenerationRequest, sent: list[Material], model: str | None) -> dict:
-    form = create_video_form(request, sent, model)
+def post_video(client, request: GenerationRequest, sent: list[Material], model: str | None,
+               server_lora=None) -> dict:
+    form = create_video_form(request, sent, model, server_lora)
     for material in sent:
         if len(material.data) > UPLOAD_LIMITS[material.kind]:
             raise H3Error(f"{material.label}: {len(material.data) / 2**20:.1f} MiB encoded; {NAME} takes uploads of "
@@ -150,8 +152,10 @@ def post_video(client, request: GenerationRequest, sent: list[Material], model: 
     return client.post_form(protocol.VIDEOS_PATH, form)
 
 
-def create_video_form(request: GenerationRequest, sent: list[Material], model: str | None) -> Multipart:
-    """The multipart form of `POST /v1/videos`. `num_inference_steps` counts model calls: steps - 1."""
+def create_video_form(request: GenerationRequest, sent: list[Material], model: str | None,
+                      server_lora=None) -> Multipart:
+    """The multipart form of `POST /v1/videos`. `num_inference_steps` counts model calls: steps - 1. A server LoRA
+    goes as the `lora` object (`name`, `path` on the server, `scale`)."""
     task = serving_rules.task_of(request)
     _, ratio = serving_rules.choose_aspect(request, task, NAME, any_canvas=True)
     extra = {"duration_seconds": serving_rules.choose_duration(request, NAME),
@@ -169,6 +173,9 @@ def create_video_form(request: GenerationRequest, sent: list[Material], model: s
     form.field("extra_params", json.dumps(extra))
     if model:
         form.field("model", model)
+    if server_lora is not None:
+        form.field("lora", json.dumps({"name": server_lora.name, "path": server_lora.path,
+                                       "scale": server_lora.strength}))
     for material in sent:
         form.file("input_references", material.data, material.filename, material.media_type)
     return form

@@ -48,6 +48,7 @@ class RequestNames:
     reference_audios: str = "reference_audios"
     reference_image_size: str = "reference_image_size"
     loras: str = "loras"
+    server_lora: str = "server_lora"  # the remote engine's LoRA already on the server (not a request field)
 
     @property
     def references(self) -> tuple[str, str, str]:

@@ -121,7 +121,10 @@ def main(argv: list[str] | None = None) -> None:
             record({"request_id": request_id, "task": media.task, "width": media.width, "height": media.height,
                     "num_frames": media.num_frames, "seed": sampling.seed, "num_inference_steps": steps,
                     "extra_args": {k: v for k, v in extra.items() if isinstance(v, (int, float, str, list))},
-                    "media": {key: (len(value) if isinstance(value, list) else 1) for key, value in mm.items()}})
+                    "media": {key: (len(value) if isinstance(value, list) else 1) for key, value in mm.items()},
+                    "lora": (None if sampling.lora_request is None else
+                             {"name": sampling.lora_request.lora_name, "path": sampling.lora_request.lora_path,
+                              "scale": sampling.lora_scale})})
             yield SimpleNamespace(request_id=request_id, images=None, custom_output=None,
                                   multimodal_output={"video": frames, "fps": 24, "audio": audio,
                                                      "audio_sample_rate": 32000},
