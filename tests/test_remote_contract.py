@@ -6,6 +6,7 @@ No test reaches the internet.
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -274,6 +275,51 @@ def test_a_stored_result_is_fetched_from_its_url_without_the_key_when_another_ho
         storage.server_close()
     assert result.frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
     assert len(seen) == 1 and "Authorization" not in seen[0]
+
+
+def test_a_redirect_to_another_host_does_not_carry_the_key():
+    """A server (127.0.0.1) that redirects to another address (127.0.0.2): the key stays behind; a redirect within
+    the server keeps it. (Part of issue 28.)"""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen = []
+
+    class Recorder(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            seen.append((self.server.server_address[0], self.path, self.headers.get("Authorization")))
+            if self.path == "/v1/models":  # the first server sends the client elsewhere
+                self.send_response(302)
+                self.send_header("Location", self.server.redirect_to)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = json.dumps({"object": "list", "data": [{"id": "MiniMaxAI/MiniMax-H3", "owned_by": "sglang"}]})
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+    servers = [ThreadingHTTPServer((address, 0), Recorder) for address in ("127.0.0.1", "127.0.0.2")]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    home, elsewhere = servers
+    try:
+        for target, keeps in ((f"http://127.0.0.2:{elsewhere.server_address[1]}/cards", False),
+                              (f"http://127.0.0.1:{home.server_address[1]}/cards", True)):
+            seen.clear()
+            home.redirect_to = target
+            client = VideosClient(f"http://127.0.0.1:{home.server_address[1]}", api_key=KEY, attempts=1)
+            assert client.get_json("/v1/models")["data"][0]["owned_by"] == "sglang"
+            assert seen[0][2] == f"Bearer {KEY}" and seen[1][1] == "/cards"
+            assert (seen[1][2] == f"Bearer {KEY}") is keeps
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------

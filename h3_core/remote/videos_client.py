@@ -55,6 +55,24 @@ def _reason(exc: BaseException) -> str:
 TRANSIENT = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, http.client.HTTPException, OSError)
 
 
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
+class CredentialsStayHome(urllib.request.HTTPRedirectHandler):
+    """Redirects are followed, but the API key goes only where it was given: a redirect to another host, port or
+    scheme drops `Authorization` (urllib's own handler copies every header to the new address)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            for store in (new.headers, new.unredirected_hdrs):
+                for name in [key for key in store if key.lower() == protocol.AUTHORIZATION_HEADER.lower()]:
+                    del store[name]
+        return new
+
+
 def _json_or_none(raw: bytes):
     try:
         return json.loads(raw.decode("utf-8"))
@@ -82,7 +100,7 @@ class VideosClient:
         host = urllib.parse.urlsplit(self.base_url).hostname
         # Loopback needs no proxy (and an HTTP_PROXY set for the internet must not capture it).
         handlers = [urllib.request.ProxyHandler({})] if host in LOOPBACK_HOSTS else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self._opener = urllib.request.build_opener(*handlers, CredentialsStayHome())
 
     # -- messages --------------------------------------------------------------------------------------------------
 
@@ -112,7 +130,7 @@ class VideosClient:
         if self._api_key and same_host:
             headers[protocol.AUTHORIZATION_HEADER] = protocol.authorization_value(self._api_key)
         request = urllib.request.Request(target, data=data, headers=headers, method=method)
-        opener = self._opener if same_host else urllib.request.build_opener()
+        opener = self._opener if same_host else urllib.request.build_opener(CredentialsStayHome())
         return opener.open(request, timeout=timeout)
 
     def _delay(self, attempt: int) -> float:
