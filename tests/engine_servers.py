@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -134,6 +136,26 @@ class EngineServer:
 
     def aborted(self) -> list[str]:
         return [job["aborted"] for job in self._log() if "aborted" in job]
+
+    def ctrl_c_during_job(self, cli_args: list[str], cwd: Path, **environment) -> subprocess.CompletedProcess:
+        """`python -m h3_core generate ... --server <this>` in a child with the default SIGINT, sent Ctrl-C once it
+        polls its job; returns its exit code and output."""
+        from cli_fixtures import default_sigint
+
+        polls = len(self.requests("GET", "/v1/videos/"))
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent), LC_ALL="C.UTF-8", **environment)
+        args = [sys.executable, "-m", "h3_core", "generate", *cli_args, "--server", self.url]
+        process = subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=default_sigint)
+        try:
+            deadline = time.monotonic() + 60
+            while len(self.requests("GET", "/v1/videos/")) == polls and time.monotonic() < deadline:
+                time.sleep(0.05)
+            process.send_signal(signal.SIGINT)
+            stdout, stderr = process.communicate(timeout=60)
+        finally:
+            process.kill()
+        return subprocess.CompletedProcess(args, process.returncode, stdout, stderr)
 
     def requests(self, method: str, path_prefix: str) -> list[str]:
         """uvicorn's access lines for `method path...`: what reached the server."""

@@ -8,24 +8,17 @@ ref2va with each reference type — and each limit the server enforces is shown 
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cli_fixtures import default_sigint
 from reference_media import picture, tone
 
 from h3_core.errors import H3Error, RemoteError
 from h3_core.remote import RemoteEngine
 from h3_core.request.grid import audio_samples_for_frames
 
-ROOT = Path(__file__).resolve().parents[1]
 # 16:9 at short edge 64 makes 128x64 on the server; 107 frames are 4.46 s, the shortest it makes.
 REQUEST = dict(width=128, height=64, num_frames=107, steps=3, seed=7)
 
@@ -252,21 +245,11 @@ def test_the_cli_refuses_what_the_server_would_refuse_in_one_line(fl2va, run_cli
 
 def test_ctrl_c_sends_delete_and_says_the_job_goes_on_running(fl2va, tmp_path):
     """SGLang's DELETE forgets the job but cannot stop it: the CLI says so, and the job does run to its end."""
-    before, polls = len(fl2va.jobs()), len(fl2va.requests("GET", "/v1/videos/"))
-    environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8")
-    process = subprocess.Popen([sys.executable, "-m", "h3_core", "generate", "x", "--server", fl2va.url, "--size",
-                                "128x64", "--frames", "107", "--steps", "41", "--out", "x.mp4"], cwd=tmp_path,
-                               env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=default_sigint)
-    try:
-        deadline = time.monotonic() + 60
-        while len(fl2va.requests("GET", "/v1/videos/")) == polls and time.monotonic() < deadline:
-            time.sleep(0.05)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, stderr
+    before = len(fl2va.jobs())
+    done = fl2va.ctrl_c_during_job(["x", "--size", "128x64", "--frames", "107", "--steps", "41", "--out", "x.mp4"],
+                                   tmp_path)
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 130, stderr
     assert "but SGLang cannot abort a job: it goes on running on" in stdout
     assert stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert len(fl2va.requests("DELETE", "/v1/videos/")) >= 1 and list(tmp_path.iterdir()) == []

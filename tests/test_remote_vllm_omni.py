@@ -7,17 +7,9 @@ enforces refused here first; a cancel that aborts; a job the server fails.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from cli_fixtures import default_sigint
 from engine_servers import VLLM_OMNI_KEY as KEY
 from reference_media import picture, tone
 
@@ -25,7 +17,6 @@ from h3_core.errors import H3Error, RemoteError
 from h3_core.remote import RemoteEngine
 from h3_core.request.grid import audio_samples_for_frames
 
-ROOT = Path(__file__).resolve().parents[1]
 # vLLM-Omni takes the canvas as given (multiples of 32); keyframes and references need 256 px a side at least.
 REQUEST = dict(width=128, height=64, num_frames=107, steps=3, seed=7)
 KEYFRAME_REQUEST = dict(REQUEST, width=448, height=256)
@@ -173,21 +164,10 @@ def test_the_cli_completes_and_ctrl_c_aborts_the_job(server, run_cli, tmp_path):
     assert f"server {server.url}: MiniMaxAI/MiniMax-H3, vLLM-Omni, FL2VA (as set" in done.stdout
     assert (tmp_path / "fox.mp4").stat().st_size > 0 and KEY not in done.stdout + done.stderr
 
-    polls = len(server.requests("GET", "/v1/videos/"))
-    environment = dict(os.environ, PYTHONPATH=str(ROOT), LC_ALL="C.UTF-8", H3_STREAM_API_KEY=KEY)
-    process = subprocess.Popen([sys.executable, "-m", "h3_core", "generate", "x", "--server", server.url, "--size",
-                                "128x64", "--frames", "107", "--steps", "200", "--out", "x.mp4"], cwd=tmp_path,
-                               env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               preexec_fn=default_sigint)
-    try:
-        deadline = time.monotonic() + 60
-        while len(server.requests("GET", "/v1/videos/")) == polls and time.monotonic() < deadline:
-            time.sleep(0.05)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
-    finally:
-        process.kill()
-    assert process.returncode == 130, stderr
+    done = server.ctrl_c_during_job(["x", "--size", "128x64", "--frames", "107", "--steps", "200", "--out", "x.mp4"],
+                                    tmp_path, H3_STREAM_API_KEY=KEY)
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 130, stderr
     assert ": vLLM-Omni aborted it" in stdout and stderr.strip().splitlines()[-1] == "interrupted; nothing was written"
     assert len(server.aborted()) >= 1 and not (tmp_path / "x.mp4").exists()
 
