@@ -3,6 +3,8 @@ RemoteEngine) -> IMAGE frames, AUDIO and the frame rate, as the local Decode Vid
 
 from __future__ import annotations
 
+import dataclasses
+
 from comfy_api.latest import io
 
 from . import comfy_runtime
@@ -60,6 +62,8 @@ class H3StreamGenerateRemote(io.ComfyNode):
                                      "ref2va)."),
                 io.Combo.Input("backend", options=["auto", "sglang", "vllm-omni"], default="auto", optional=True,
                                tooltip="The server's engine; auto: as its model card says."),
+                io.Int.Input("job_timeout_minutes", default=120, min=1, max=10080, optional=True,
+                             tooltip="How long the job may take on the server; past it, it is cancelled there."),
                 io.String.Input("server_lora", default="", optional=True,
                                 tooltip="A LoRA file already on the server, PATH[:STRENGTH] (its path there), for this "
                                         "request: vLLM-Omni. An SGLang server's LoRA is set when it starts "
@@ -78,7 +82,8 @@ class H3StreamGenerateRemote(io.ComfyNode):
 
     @classmethod
     def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
-                first_frame=None, last_frame=None, h3_refs=None, backend="auto", server_lora="") -> io.NodeOutput:
+                first_frame=None, last_frame=None, h3_refs=None, backend="auto", job_timeout_minutes=120,
+                server_lora="") -> io.NodeOutput:
         from h3_core.remote import RemoteEngine
         from h3_core.remote.videos_client import check_server_url
         from h3_core.request.generation_request import GenerationRequest
@@ -88,7 +93,8 @@ class H3StreamGenerateRemote(io.ComfyNode):
         references = h3_refs.request_fields(count) if h3_refs is not None else {}
         request = GenerationRequest(prompt=prompt, width=width, height=height, num_frames=count, steps=steps,
                                     seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                                    first_frame=first_frame, last_frame=last_frame, names=names_for(frames),
+                                    first_frame=first_frame, last_frame=last_frame,
+                                    names=dataclasses.replace(names_for(frames), job_timeout="job_timeout_minutes"),
                                     **references)
         url = check_server_url(server_url, "server_url")
         node_id = cls.hidden.unique_id
@@ -97,7 +103,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
             comfy_runtime.log.info("h3-stream node %s: %s", node_id, message)
             comfy_runtime.send_progress_text(node_id, message)
 
-        engine = RemoteEngine(url, backend=backend, log=log)
+        engine = RemoteEngine(url, backend=backend, job_timeout=60.0 * job_timeout_minutes, log=log)
         comfy_runtime.check_interrupt()
         comfy_runtime.send_progress_text(node_id, f"{url}: {engine.describe_server()}")
         bar = comfy_runtime.progress_bar(100, node_id=node_id)

@@ -68,6 +68,27 @@ def test_cancel_in_comfyui_cancels_the_job_on_the_server(pack):
         assert api.deleted == ["video_1"] and api.requests("GET", "/content$") == []
 
 
+def test_the_job_time_limit_is_a_node_input_in_minutes(pack, monkeypatch):
+    """Part of issue 28: job_timeout_minutes bounds the job (scaled down here: 1 minute -> 0.2 s)."""
+    from h3_core.errors import RemoteError
+    from h3_core.remote import RemoteEngine
+
+    seen, original = [], RemoteEngine.__init__
+
+    def scaled(self, url, **options):
+        seen.append(options["job_timeout"])
+        original(self, url, **{**options, "job_timeout": options["job_timeout"] / 300})
+
+    monkeypatch.setattr(RemoteEngine, "__init__", scaled)
+    with VideosApiServer(Behaviour(endless=True)) as api:
+        with pytest.raises(RemoteError) as caught:
+            run(pack, server_url=api.url, **REQUEST, job_timeout_minutes=1)
+        assert api.deleted == ["video_1"]
+    assert seen == [60.0]
+    assert str(caught.value) == (f"the job video_1 on {api.url} did not finish within 0.2 s (job_timeout_minutes); it "
+                                 "was cancelled. Give a longer job_timeout_minutes for long videos.")
+
+
 def test_a_failed_job_is_one_message_naming_the_server(pack):
     from h3_core.errors import RemoteError
 

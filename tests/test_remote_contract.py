@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -84,6 +85,29 @@ def test_5xx_past_the_attempts_is_one_message_naming_the_last_answer():
         assert server.deleted == ["video_1"]  # the job it could not follow is cancelled
     assert str(caught.value).startswith(f"GET {server.url}/v1/videos/video_1 failed 3 time(s), last: HTTP 502: "
                                         "bad gateway. Check that the server runs there")
+
+
+def test_429_is_retried_after_the_servers_retry_after():
+    """Part of issue 28: 429 (too many requests) is retried, waiting at least the server's Retry-After."""
+    waits = []
+    behaviour = Behaviour(poll_errors=[(429, {"detail": "slow down"}, "application/json", {"Retry-After": "7"})])
+    with VideosApiServer(behaviour) as server:
+        remote = engine(server)
+        remote.client.wait = waits.append
+        result = remote.generate("x", **REQUEST)
+    assert result.frames.shape[0] == FRAMES and 7.0 in waits
+
+
+def test_a_server_that_sends_a_byte_now_and_then_is_cut_off():
+    """Part of issue 28: each read returns within the read timeout, but the answer as a whole is bounded."""
+    with VideosApiServer(Behaviour(drip_seconds=0.05)) as server:
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as caught:
+            engine(server, answer_timeout=0.5, attempts=2).generate("x", **REQUEST)
+        took = time.monotonic() - started
+    assert str(caught.value).startswith(f"GET {server.url}/v1/models failed 2 time(s), last: the answer took over "
+                                        "0.5 s.")
+    assert took < 5
 
 
 def test_the_backoff_doubles_and_is_capped():
@@ -339,10 +363,27 @@ def test_the_cli_shows_a_refusal_in_one_line_with_exit_code_2(run_cli, tmp_path)
     assert "Traceback" not in done.stderr and not (tmp_path / "x.mp4").exists()
 
 
+def test_the_job_timeout_flag_bounds_the_job_in_one_line(run_cli, tmp_path):
+    """Part of issue 28: the job's time limit is the user's (--job-timeout), and its message names the flag."""
+    with VideosApiServer(Behaviour(endless=True)) as server:
+        done = run_cli(["generate", "x", "--server", server.url, *CLI_REQUEST, "--job-timeout", "0.3", "--out",
+                        "x.mp4"], tmp_path)
+        assert server.deleted == ["video_1"]
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"error: the job video_1 on {server.url} did not finish within 0.3 s (--job-timeout); it was cancelled. Give "
+        "a longer --job-timeout for long videos.")
+    assert not (tmp_path / "x.mp4").exists()
+    done = run_cli(["generate", "x", "--server", "http://127.0.0.1:9", *CLI_REQUEST, "--job-timeout", "0"], tmp_path)
+    assert done.returncode == 2 and done.stderr == "error: --job-timeout 0: must be a number of seconds above 0.\n"
+
+
 def test_server_flags_without_a_server_are_one_line_with_exit_code_2(run_cli, tmp_path):
     done = run_cli(["generate", "x", "--backend", "vllm-omni", *CLI_REQUEST], tmp_path)
     assert done.returncode == 2 and done.stderr == ("error: --backend vllm-omni: names a server's engine; give --server "
                                                     "URL too, or drop it.\n")
+    done = run_cli(["generate", "x", "--job-timeout", "60", *CLI_REQUEST], tmp_path)
+    assert done.returncode == 2 and done.stderr == ("error: --job-timeout 60: is for a server job; give --server URL "
+                                                    "too, or drop it.\n")
     done = run_cli(["generate", "x", "--server-lora", "/models/turbo.safetensors", *CLI_REQUEST], tmp_path)
     assert done.returncode == 2 and done.stderr == ("error: --server-lora /models/turbo.safetensors: is for a server; "
                                                     "give --server URL too, or drop it (a LoRA file on this machine "

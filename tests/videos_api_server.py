@@ -15,6 +15,7 @@ import io
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -97,6 +98,7 @@ class Behaviour:
     content_errors: list = field(default_factory=list)
     truncated_downloads: int = 0  # this many content answers stop halfway
     required_key: str | None = None  # answer 401 (echoing the header received) without this Bearer key
+    drip_seconds: float = 0.0  # JSON answers are sent one byte every this many seconds
     result_url: str | None = None  # the completed job carries this `url` and /content refuses, as SGLang's does
     #                                with cloud storage
 
@@ -148,12 +150,20 @@ class VideosApiServer:
                 except ValueError:
                     return None
 
-            def _send(self, status: int, payload, content_type="application/json"):
+            def _send(self, status: int, payload, content_type="application/json", headers=None):
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
+                if server.behaviour.drip_seconds and status == 200 and content_type == "application/json":
+                    for byte in data:  # a byte now and then: each read is quick, the answer never ends in time
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(server.behaviour.drip_seconds)
+                    return
                 self.wfile.write(data)
 
             def _route(self, method):

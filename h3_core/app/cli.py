@@ -48,7 +48,7 @@ CLI_NAMES = RequestNames(prompt="the prompt", num_frames="--frames", steps="--st
                          video_shift="--video-shift", audio_shift="--audio-shift", first_frame="--first-frame",
                          last_frame="--last-frame", reference_images="--ref-image", reference_videos="--ref-video",
                          reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora",
-                         server_lora="--server-lora")
+                         server_lora="--server-lora", job_timeout="--job-timeout")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -167,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the H3_STREAM_API_KEY environment variable")
     g.add_argument("--backend", choices=("auto", "sglang", "vllm-omni"), default="auto",
                    help="with --server: the server's engine (auto: as its model card says)")
+    g.add_argument("--job-timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --server: how long the job may take on the server before it is cancelled (default "
+                        "7200)")
     g.add_argument("--server-lora", metavar="PATH[:STRENGTH]",
                    help="with --server: a LoRA file already on the server (its path there), applied to this request "
                         "(vLLM-Omni; an SGLang server's LoRA is set when it starts: sglang serve --lora-path)")
@@ -315,6 +318,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         from .remote_cli import check_remote_flags
 
         check_remote_flags(args)
+    elif args.job_timeout is not None:
+        raise CliError(f"--job-timeout {args.job_timeout:g}: is for a server job; give --server URL too, or drop it.")
     elif args.backend != "auto" or args.server_lora:
         flag = f"--backend {args.backend}" if args.backend != "auto" else f"--server-lora {args.server_lora}"
         raise CliError(f"{flag}: is for a server; give --server URL too, or drop it (a LoRA file on this machine "

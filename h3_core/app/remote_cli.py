@@ -3,6 +3,8 @@ vLLM-Omni server (h3_core.remote.RemoteEngine) instead of this machine."""
 
 from __future__ import annotations
 
+import math
+
 from ..errors import H3Error
 
 # Flags that configure a local run only, with their defaults: given with --server, they are ignored and said so.
@@ -33,7 +35,12 @@ def generate_remote(args, request, out, before, say, bar) -> list:
     if ignored:
         say(f"note: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored with --server: the server "
             "runs its own model with its own memory settings")
-    engine = RemoteEngine(url, partition=args.partition, backend=args.backend, log=say)
+    timeout = {}
+    if args.job_timeout is not None:
+        if not math.isfinite(args.job_timeout) or args.job_timeout <= 0:
+            raise H3Error(f"--job-timeout {args.job_timeout:g}: must be a number of seconds above 0.")
+        timeout = {"job_timeout": args.job_timeout}
+    engine = RemoteEngine(url, partition=args.partition, backend=args.backend, log=say, **timeout)
     say(f"server {url}: {engine.describe_server()}")
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
         f"{request.steps - 1} model calls, seed {request.seed}, on {url}")

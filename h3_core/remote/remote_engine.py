@@ -22,7 +22,7 @@ from ..request.generation_result import GenerationResult
 from ..request.grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
 from ..request.media_files import read_mp4
 from . import protocol, serving_rules, sglang_api, vllm_omni_api
-from .videos_client import VideosClient
+from .videos_client import ANSWER_SECONDS, DOWNLOAD_SECONDS, VideosClient
 
 # The engines h3-stream speaks, by the `owned_by` of their model card (and the `backend` option's names).
 APIS = {"sglang": sglang_api, "vllm-omni": vllm_omni_api}
@@ -41,25 +41,30 @@ class RemoteEngine:
     a message). `partition` ("fl2va" / "ref2va", None: any) is the partition the server was started with, when its
     card does not say (neither engine's does): a request of the other partition's task is refused before sending.
     `backend` ("auto", "sglang", "vllm-omni") is the engine's API, auto as its model card says. `timeout` bounds each
-    HTTP connect and read, `job_timeout` the whole job (it is cancelled past it); `attempts`, `backoff` and
-    `max_backoff` set the retries of connection errors and 5xx answers (4xx never retry). `poll_interval` is the wait
+    HTTP connect and read, `answer_timeout` each whole JSON answer and `download_timeout` each whole download (a
+    server that sends a byte now and then is cut off too), `job_timeout` the whole job (it is cancelled past it);
+    `attempts`, `backoff` and `max_backoff` set the retries of connection errors, 429 and 5xx answers (other 4xx
+    never retry; a Retry-After is honoured). `poll_interval` is the wait
     between status polls. `work_dir` holds the download while it is decoded (a temporary
     folder under it, removed whatever happens)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, partition: str | None = None,
                  backend: str = "auto", timeout: float = 30.0, job_timeout: float = 7200.0,
                  poll_interval: float = 2.0, attempts: int = 5, backoff: float = 1.0, max_backoff: float = 30.0,
-                 work_dir=None, log: Callable[[str], None] | None = None):
+                 answer_timeout: float = ANSWER_SECONDS, download_timeout: float = DOWNLOAD_SECONDS, work_dir=None,
+                 log: Callable[[str], None] | None = None):
         if partition is not None and str(partition).lower() not in protocol.PARTITIONS:
             raise H3Error(f"partition {partition!r}: use one of {list(protocol.PARTITIONS)} or None.")
         if backend not in BACKENDS:
             raise H3Error(f"backend {backend!r}: use one of {list(BACKENDS)} (auto: as the server's model card says).")
-        for name, value in (("timeout", timeout), ("job_timeout", job_timeout), ("poll_interval", poll_interval)):
+        for name, value in (("timeout", timeout), ("job_timeout", job_timeout), ("poll_interval", poll_interval),
+                            ("answer_timeout", answer_timeout), ("download_timeout", download_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise H3Error(f"{name} {value!r}: must be a number of seconds above 0.")
         key = api_key if api_key is not None else os.environ.get(protocol.API_KEY_ENV)
         self.client = VideosClient(url, api_key=key, timeout=timeout, attempts=attempts, backoff=backoff,
-                                   max_backoff=max_backoff, wait=self._wait)
+                                   max_backoff=max_backoff, wait=self._wait, answer_timeout=answer_timeout,
+                                   download_timeout=download_timeout)
         self.url = self.client.base_url
         self.partition = str(partition).lower() if partition is not None else None
         self.backend = backend
@@ -237,8 +242,9 @@ class RemoteEngine:
                 raise RemoteError(f"the server at {self.url} reports status {status!r} for job {video_id}, which "
                                   f"is none of {sorted(protocol.RUNNING | protocol.COMPLETED | protocol.FAILED)}.")
             if time.monotonic() >= deadline:
+                name = request.names.job_timeout
                 raise RemoteError(f"the job {video_id} on {self.url} did not finish within {self.job_timeout:g} s "
-                                  "(job_timeout); it was cancelled. Give a longer job_timeout for long videos.")
+                                  f"({name}); it was cancelled. Give a longer {name} for long videos.")
             self._wait(self.poll_interval)
             try:
                 job = self.client.get_json(protocol.video_path(video_id))

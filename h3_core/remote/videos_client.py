@@ -18,6 +18,11 @@ from . import protocol
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 CHUNK_BYTES = 1 << 20
+# Whole-answer limits (each read also has `timeout`): a server that sends a byte now and then is cut off all the same.
+ANSWER_SECONDS = 120.0
+DOWNLOAD_SECONDS = 3600.0
+# The longest Retry-After honoured (a longer one is waited this long, then the attempt is made).
+RETRY_AFTER_CAP = 120.0
 
 
 def check_server_url(url, name: str = "server URL") -> str:
@@ -48,7 +53,7 @@ def _reason(exc: BaseException) -> str:
         exc = reason
     text = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
     if isinstance(exc, (socket.timeout, TimeoutError)):
-        text = "timed out"
+        text = str(exc) if str(exc) and str(exc) != "timed out" else "timed out"
     return text
 
 
@@ -73,6 +78,35 @@ class CredentialsStayHome(urllib.request.HTTPRedirectHandler):
         return new
 
 
+def _read_within(response, seconds: float) -> bytes:
+    """The whole body, or TimeoutError once it has taken `seconds` (each read has the socket's own timeout)."""
+    deadline = time.monotonic() + seconds
+    chunks = []
+    while True:
+        chunk = response.read1(1 << 16) if hasattr(response, "read1") else response.read(1 << 16)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the answer took over {seconds:g} s")
+
+
+def _retry_after(value) -> float:
+    """Retry-After in seconds (a number of seconds or an HTTP date); 0 when absent or unreadable."""
+    if not value:
+        return 0.0
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        from email.utils import parsedate_to_datetime
+
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return 0.0
+
+
 def _json_or_none(raw: bytes):
     try:
         return json.loads(raw.decode("utf-8"))
@@ -92,11 +126,13 @@ class VideosClient:
     for a cancel while it waits)."""
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 30.0, attempts: int = 5,
-                 backoff: float = 1.0, max_backoff: float = 30.0, wait: Callable[[float], None] = time.sleep):
+                 backoff: float = 1.0, max_backoff: float = 30.0, wait: Callable[[float], None] = time.sleep,
+                 answer_timeout: float = ANSWER_SECONDS, download_timeout: float = DOWNLOAD_SECONDS):
         self.base_url = check_server_url(base_url)
         self._api_key = api_key or None
         self.timeout, self.attempts, self.backoff, self.max_backoff = timeout, max(1, int(attempts)), backoff, max_backoff
         self.wait = wait
+        self.answer_timeout, self.download_timeout = float(answer_timeout), float(download_timeout)
         host = urllib.parse.urlsplit(self.base_url).hostname
         # Loopback needs no proxy (and an HTTP_PROXY set for the internet must not capture it).
         handlers = [urllib.request.ProxyHandler({})] if host in LOOPBACK_HOSTS else []
@@ -138,27 +174,30 @@ class VideosClient:
 
     def _with_retries(self, method: str, path: str, call, attempts: int | None = None, where: str | None = None):
         """Run `call()` (which opens and reads one response) until it succeeds, a 4xx comes back, or the attempts
-        are spent; connection errors, timeouts, truncated bodies and 5xx are retried after a backoff."""
+        are spent; connection errors, timeouts, truncated bodies, 429 and 5xx are retried after a backoff (at least
+        the server's Retry-After, up to RETRY_AFTER_CAP)."""
         attempts = attempts or self.attempts
         where = f"{method} {where or self.base_url + path}"
         last = ""
         status = None
         for attempt in range(1, attempts + 1):
+            retry_after = 0.0
             try:
                 return call()
             except urllib.error.HTTPError as exc:
                 raw = exc.read() or b""
                 message = protocol.error_body_message(raw) or exc.reason or ""
-                if exc.code < 500:
+                if exc.code < 500 and exc.code != 429:  # 429: too many requests, come back later
                     raise self._error(f"the server refused {where} (HTTP {exc.code}): {message}", exc.code,
                                       _json_or_none(raw)) from None
                 status, last = exc.code, f"HTTP {exc.code}: {message}"
+                retry_after = _retry_after(exc.headers.get("Retry-After") if exc.headers else None)
             except _Truncated as exc:
                 last = f"the response was cut short ({exc})"
             except TRANSIENT as exc:
                 last = _reason(exc)
             if attempt < attempts:
-                self.wait(self._delay(attempt))
+                self.wait(max(self._delay(attempt), min(retry_after, RETRY_AFTER_CAP)))
         raise self._error(f"{where} failed {attempts} time(s), last: {last}. Check that the server runs there "
                           "(sglang serve ... --port) and is reachable from this machine.", status)
 
@@ -187,7 +226,7 @@ class VideosClient:
     def _json(self, method: str, path: str, body, attempts) -> dict:
         def call():
             with self._request(method, path, body, self.timeout) as response:
-                raw = response.read()
+                raw = _read_within(response, self.answer_timeout)
             try:
                 parsed = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError):
@@ -215,9 +254,12 @@ class VideosClient:
                 length = response.headers.get("Content-Length")
                 expected = int(length) if length and length.isdigit() else None
                 got = 0
+                deadline = time.monotonic() + self.download_timeout
                 while True:
                     if check is not None:
                         check()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the download took over {self.download_timeout:g} s")
                     try:
                         chunk = response.read(CHUNK_BYTES)
                     except http.client.IncompleteRead as exc:

@@ -49,6 +49,7 @@ class RequestNames:
     reference_image_size: str = "reference_image_size"
     loras: str = "loras"
     server_lora: str = "server_lora"  # the remote engine's LoRA already on the server (not a request field)
+    job_timeout: str = "job_timeout"  # the remote engine's limit on a server job (not a request field)
 
     @property
     def references(self) -> tuple[str, str, str]:
