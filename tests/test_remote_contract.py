@@ -197,6 +197,13 @@ def test_a_video_without_audio_is_refused():
 # ---- refused before sending -------------------------------------------------------------------------------------
 
 
+def test_a_card_naming_no_pipeline_is_not_refused_for_its_name():
+    """vLLM-Omni's card has only `id` / `root` (the served name, perhaps a local path): not proof of another model."""
+    info = {"id": "/srv/weights/minimax", "owned_by": "sglang"}
+    with VideosApiServer(Behaviour(info=info, polls_until_done=0)) as server:
+        assert engine(server).generate("x", **REQUEST).frames.shape[0] == FRAMES
+
+
 @pytest.mark.parametrize("info,message", [
     ({"id": "Wan-AI/Wan2.1-T2V-1.3B-Diffusers", "owned_by": "sglang", "pipeline_class": "WanPipeline"},
      "serves Wan-AI/Wan2.1-T2V-1.3B-Diffusers, not MiniMax H3; start it with sglang serve --model-path "

@@ -126,11 +126,12 @@ def served_partition(card: dict) -> str | None:
 
 
 def serves_h3(card: dict) -> bool | None:
-    """True when the card names an H3 pipeline or model, False when it names another one, None when it names none."""
-    names = card_names(card).lower()
-    if not names:
+    """True when the card's pipeline is H3's, False when it is another one, None when the card names no pipeline
+    (vLLM-Omni's: its `id` / `root` may be any local path, so a name without "h3" proves nothing)."""
+    pipeline = " ".join(str(card.get(key) or "") for key in ("pipeline_name", "pipeline_class")).strip().lower()
+    if not pipeline:
         return None
-    return "h3" in names
+    return "h3" in pipeline
 
 
 def card_engine(card: dict) -> str:

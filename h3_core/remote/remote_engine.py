@@ -44,9 +44,8 @@ class RemoteEngine:
     HTTP connect and read, `answer_timeout` each whole JSON answer and `download_timeout` each whole download (a
     server that sends a byte now and then is cut off too), `job_timeout` the whole job (it is cancelled past it);
     `attempts`, `backoff` and `max_backoff` set the retries of connection errors, 429 and 5xx answers (other 4xx
-    never retry; a Retry-After is honoured). `poll_interval` is the wait
-    between status polls. `work_dir` holds the download while it is decoded (a temporary
-    folder under it, removed whatever happens)."""
+    never retry; a Retry-After is honoured). `poll_interval` is the wait between status polls. `work_dir` holds the
+    download while it is decoded (a temporary folder under it, removed whatever happens)."""
 
     def __init__(self, url: str, *, api_key: str | None = None, partition: str | None = None,
                  backend: str = "auto", timeout: float = 30.0, job_timeout: float = 7200.0,
@@ -149,7 +148,7 @@ class RemoteEngine:
         task = serving_rules.task_of(request)
         serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url,
                                       api.START_COMMAND)
-        api.check(request, server_lora)  # (a server LoRA's name in messages: request.names.server_lora)
+        api.check(request, server_lora)
         return api
 
     # -- one request -----------------------------------------------------------------------------------------------
