@@ -56,3 +56,59 @@ def test_quantised_tensor_is_refused_at_load(tiny, tmp_path, component, which, d
     else:
         assert "; quantised checkpoints (fp8, int8, NVFP4, ...) are not supported yet. Use " in message
     assert info.value.key == key and info.value.path == path
+
+
+# ---- dtype=None with one tensor stored in another float dtype; dtype= options that are not a compute dtype -------
+
+
+def _tiny_copy(tiny, tmp_path, component):
+    relative, load, keys = COMPONENTS[component]
+    source = tiny / relative
+    if component == "text_encoder":
+        folder = shutil.copytree(source.parent, tmp_path / source.parent.name)
+        return folder / source.name, folder, load, keys
+    path = shutil.copy(source, tmp_path / source.name)
+    return path, path, load, keys
+
+
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_one_tensor_saved_in_another_float_dtype_is_computed_in_the_files_dtype(tiny, tmp_path, component):
+    # Before: dtype=None kept the one fp16 matrix of an fp32 file as fp16 and the first forward failed inside torch
+    # ("expected m1 and m2 to have the same dtype, but got: float != c10::Half").
+    path, target, load, (_, matrix) = _tiny_copy(tiny, tmp_path, component)
+    state = load_file(path)
+    state[matrix] = state[matrix].half()
+    save_file(state, path)
+    model = load(target)
+    dtypes = {p.dtype for name, p in model.named_parameters() if p.numel()}
+    assert dtypes == {torch.float32}, dtypes
+    loaded = dict(model.named_parameters())[matrix.removeprefix("model.")]
+    assert torch.equal(loaded, state[matrix].float())
+
+
+def test_a_transformer_with_one_fp16_tensor_generates_at_the_default_dtype(tiny, run_cli, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny, model, symlinks=True)
+    path = model / COMPONENTS["transformer"][0]
+    state = load_file(path)
+    state["blocks.0.attn.out_proj.weight"] = state["blocks.0.attn.out_proj.weight"].half()
+    path.unlink()
+    save_file(state, path)
+    done = run_cli(["generate", "x", "--model", str(model), "--seconds", "0.2", "--size", "64x64", "--steps", "2",
+                    "--out", "o.mp4"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "o.mp4").stat().st_size > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bool, "bf16", 16],
+                         ids=["int8", "fp8", "bool", "string", "int"])
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_a_dtype_option_that_is_no_compute_dtype_is_refused_before_reading(tiny, component, dtype):
+    # Before: load_dit(dtype=torch.int8) cast every weight to int8 and loaded silently; a string failed in torch.
+    relative, load, _ = COMPONENTS[component]
+    source = tiny / relative
+    loader = h3_core.load_dit if component == "transformer" else h3_core.load_text_encoder
+    kwargs = {} if component == "transformer" else {"layer": TEXT_ENCODER_LAYER}
+    with pytest.raises(h3_core.H3Error, match=rf"^dtype={dtype!r}: the {component.replace('_', ' ')} computes in "
+                                              r"torch\.bfloat16, float16, float32 or float64 \(or dtype=None"):
+        loader(source if component == "transformer" else source.parent, dtype=dtype, **kwargs)

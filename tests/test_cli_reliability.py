@@ -48,7 +48,9 @@ NOT_A_GPU = "this PyTorch build has no CUDA support"
     (["--out", "clip"], "not 'files without a suffix'; name it clip.mp4."),
     (["--seed", str(2**64)], f"--seed {2**64}: must be a whole number from 0 to 2**64 - 1 ({2**64 - 1})."),
     (["--seed", "-1"], "--seed -1: must be a whole number from 0 to 2**64 - 1"),
-    (["--memory-budget", "inf"], "--memory-budget inf: must be a finite number of GiB above 0, e.g. 24."),
+    (["--memory-budget", "inf"], "--memory-budget inf: must be a finite number of GiB above 0 and at most 1,048,576, "
+                                 "e.g. 24."),
+    (["--memory-budget", "1e300"], "--memory-budget 1e+300: must be a finite number of GiB above 0 and at most"),
     (["--memory-budget", "nan"], "--memory-budget nan: must be a finite number of GiB above 0"),
     (["--memory-budget", "-4"], "--memory-budget -4.0: must be a finite number of GiB above 0"),
     (["--size", "8192x64"], "--size 8192x64: width 8192 is past the 4096-pixel limit"),
@@ -365,3 +367,33 @@ def test_device_problems_on_a_machine_with_two_gpus(monkeypatch):
     assert device_problem("cpu") is None and device_problem("cpu:1") == ("the CPU is one device (cpu or cpu:0), "
                                                                          "not cpu:1")
     assert device_problem("meta") == "h3-stream runs on cpu, cuda, cuda:N or mps, not on 'meta' devices"
+
+
+# ---- --transformer: a quantised or GGUF transformer file with the rest of the model --------------------------------
+
+
+def test_the_cli_generates_with_a_gguf_transformer_file(tiny, run_cli, tmp_path):
+    # Before: the README said the CLI loads GGUF transformers, but only `--model` folders were read, whose ComfyUI
+    # layout takes .safetensors files only. The tiny model is fp32: its Q8_0 file runs at the default --dtype auto.
+    from h3_core.checkpoints.quantiser import quantise_checkpoint
+
+    gguf = quantise_checkpoint(tiny / "diffusion_models" / "minimax_h3_tiny_fl2va_fp32.safetensors",
+                               tmp_path / "h3_q8_0.gguf", "q8_0")
+    common = ["--seconds", "0.2", "--size", "64x64", "--steps", "2"]
+    quantised = run_cli(["generate", "x", *common, "--transformer", str(gguf), "--out", "q.mp4"], tmp_path)
+    assert quantised.returncode == 0, quantised.stderr
+    assert f"transformer: {gguf} (--transformer)" in quantised.stdout
+    plain = run_cli(["generate", "x", *common, "--out", "plain.mp4"], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    # Same seed, same everything else: only the transformer's weights differ (by the Q8_0 rounding).
+    assert (tmp_path / "q.mp4").read_bytes() != (tmp_path / "plain.mp4").read_bytes()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--transformer", "missing.gguf"], "error: --transformer missing.gguf: no such file or folder.\n"),
+    (["--partition", "ref2va", "--ref-audio", "."], "error: --ref-audio .: is a folder; give a file inside it.\n"),
+    (["--partition", "ref2va", "--ref-video", "."], "error: --ref-video .: is a folder; give a file inside it.\n"),
+])
+def test_a_missing_or_folder_file_flag_is_one_line(args, message, tiny, run_cli, tmp_path):
+    # Before: a folder given as --ref-audio / --ref-video was "no such file".
+    assert one_error_line(run_cli(["generate", "x", *args], tmp_path)) == message

@@ -13,7 +13,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
-from ..errors import CheckpointError, PickleCheckpointError
+from ..errors import CheckpointError, H3Error, PickleCheckpointError
 from ..json_values import is_positive_real, is_whole
 from ..runtime.host_store import HostTensor
 from .gguf_io import GGUF_SUFFIX, GGUFFile
@@ -34,6 +34,17 @@ QUANTISED_NEEDS_FORMAT = ("another dtype is read only as a quantised layer in a 
 
 def full_precision(dtype: torch.dtype) -> bool:
     return dtype in FULL_PRECISION_DTYPES
+
+
+def compute_dtype(dtype, component: str) -> torch.dtype | None:
+    """A loader's `dtype=` option: None (the checkpoint's own) or a floating dtype the model can compute in. An integer
+    or fp8 dtype would cast the weights to it and give noise (quantised weights are read from quantised files, with
+    their scales), a string would fail deep inside torch."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and full_precision(dtype)):
+        return dtype
+    raise H3Error(f"dtype={dtype!r}: the {component} computes in torch.bfloat16, float16, float32 or float64 (or "
+                  "dtype=None, the checkpoint's own). Casting weights to another type does not quantise them: load a "
+                  "quantised file instead (python -m h3_core quantize writes one).")
 
 
 @dataclass
@@ -94,6 +105,21 @@ class Checkpoint:
         """Elements behind `spec`, read from the headers (a quantised tensor's dequantised elements)."""
         return sum(math.prod(self.quantised[k].shape if k in self.quantised else self.files[k].shape(k))
                    for k in spec.keys)
+
+    def main_dtype(self, kept: Callable[[str], bool] = lambda name: False) -> torch.dtype:
+        """The dtype most stored elements have (a quantised weight's counted as `DEQUANTISED_DEFAULT_DTYPE`, what it
+        is dequantised into), the parameters `kept` at their own dtype (fp32 islands) aside: what a loader computes in
+        when no dtype is asked for, so that one tensor saved in another dtype (an fp16 tensor in an fp32 file) or the
+        fp32 norms of a file quantised from fp32 do not fail the first matmul."""
+        elements: dict[torch.dtype, int] = {}
+        for spec in self.specs:
+            if kept(spec.name):
+                continue
+            quantised = any(k in self.quantised for k in spec.keys)
+            dtypes = [DEQUANTISED_DEFAULT_DTYPE] if quantised else [self.files[k].dtype(k) for k in spec.keys]
+            if all(full_precision(d) for d in dtypes):
+                elements[dtypes[0]] = elements.get(dtypes[0], 0) + self.numel(spec)
+        return max(elements, key=elements.get) if elements else DEQUANTISED_DEFAULT_DTYPE
 
     @property
     def paths(self) -> list[Path]:

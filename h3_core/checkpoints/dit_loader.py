@@ -30,8 +30,8 @@ from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
 from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes,
-                         count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint, open_folder_files,
-                         open_weights_file, read_json, resolve_source, shape_reader, swap_halves)
+                         compute_dtype, count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint,
+                         open_folder_files, open_weights_file, read_json, resolve_source, shape_reader, swap_halves)
 from .lora_loader import set_loras
 from .placement import attach_layerwise, companion_manager, residency_manager, set_tensor
 from .quantised import detect_quantised
@@ -264,15 +264,20 @@ def _check(ckpt: Checkpoint) -> Checkpoint:
 # ---- building the module --------------------------------------------------------------------------------------------
 
 
-def _is_island(name: str) -> bool:
+def is_fp32_island(name: str) -> bool:
     return name.startswith(FP32_ISLANDS)
 
 
-def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """dtype=None keeps the checkpoint's dtypes; otherwise everything but the fp32 islands is cast to `dtype`."""
-    if name == "rope.inv_freq" or (dtype is not None and _is_island(name)):
+def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None,
+                 main: torch.dtype | None = None) -> torch.dtype:
+    """dtype=None keeps the checkpoint's dtypes: the fp32 islands as stored, the rest in the file's `main` dtype
+    (`Checkpoint.main_dtype`; only a tensor stored otherwise is cast; None: every tensor as stored); a dtype casts
+    everything but the islands."""
+    if name == "rope.inv_freq" or (dtype is not None and is_fp32_island(name)):
         return torch.float32
-    return stored if dtype is None else dtype
+    if dtype is not None:
+        return dtype
+    return stored if main is None or is_fp32_island(name) else main
 
 
 # With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.
@@ -290,9 +295,10 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
              chunk_size: int | None = None, memory_budget: int | None = None, loras=None) -> H3DiT:
     """Load the H3 transformer from a diffusers folder, a native release folder or a ComfyUI single file.
 
-    `dtype=None` keeps the checkpoint's dtypes (bf16 with fp32 islands for the released weights); a dtype casts
-    everything except the fp32 islands (patch projections, time MLP, output heads). On the CPU with the stored dtype
-    the parameters are the memory-mapped file pages themselves (no copy).
+    `dtype=None` keeps the checkpoint's dtypes (bf16 with fp32 islands for the released weights; a tensor stored in
+    another dtype than the file's others is cast to theirs); a dtype casts everything except the fp32 islands (patch
+    projections, time MLP, output heads). Resident weights are read into the process's own memory (explicit reads,
+    never a view of the memory map), so later changes to the files cannot reach a loaded model.
 
     `residency="layerwise"` keeps the blocks in a host store (the memory maps themselves on CPU/MPS: no copy and no
     QKV de-interleave at load; pinned slabs on CUDA) and materialises at most `prefetch + 1` of them on the device
@@ -305,10 +311,12 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
     block when it is materialised, into resident weights once; `h3_core.set_loras(model, ...)` changes them later.
     """
     chunking = ChunkingPolicy(chunk_size, memory_budget)  # checked before any reading
+    dtype = compute_dtype(dtype, "transformer")
     device = torch.device(device)
     manager = residency_manager("transformer", device, residency, prefetch, resident_blocks)
     layerwise = manager is not None
     ckpt = resolve_dit_checkpoint(source)
+    main = ckpt.main_dtype(is_fp32_island)
     with torch.device("meta"):
         model = H3DiT(ckpt.config)
     recipes: dict[str, HostTensor] = {}
@@ -317,7 +325,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
             # The memory-mapped sources and how the parameter is made from them (the combine: QKV de-interleave,
             # ...): the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
             # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
-            recipe = ckpt.recipe(spec, lambda stored: target_dtype(spec.name, stored, dtype),
+            recipe = ckpt.recipe(spec, lambda stored: target_dtype(spec.name, stored, dtype, main),
                                  _expected_shape(model, spec.name))
             recipes[spec.name] = recipe
             if layerwise and _offloaded(spec.name):

@@ -33,8 +33,9 @@ from ..runtime.chunking import check_chunk_size
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
 from ..runtime.residency import Residency
-from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes, count_indexed,
-                         not_a_checkpoint, open_folder_files, read_json, resolve_source, shape_reader)
+from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
+                         compute_dtype, count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source,
+                         shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
 from .quantised import detect_quantised
 from .safetensors_io import SafetensorsFile
@@ -390,8 +391,8 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
 
     `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
     partition root), or a ComfyUI single file. `tokenizer`: a `tokenizer.json` or a folder holding one; found
-    beside the model when omitted. `dtype=None` keeps the checkpoint's dtype (bf16 for the release); on the CPU the
-    parameters are then the memory-mapped file pages themselves.
+    beside the model when omitted. `dtype=None` keeps the checkpoint's dtype (bf16 for the release; a tensor stored
+    in another dtype is cast to the file's); resident weights are read into the process's own memory.
 
     `config` — a config.json path / dict for a single file that is not Qwen3-VL-32B (the ComfyUI repack
     carries no config); `processor` — a `preprocessor_config.json` (or its folder) for the keyframe preprocessing,
@@ -407,6 +408,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     Returns a `TextEncoder`; `encoder.encode(prompt, images=())` gives `(states [L, hidden], tags [L])`.
     """
     chunk_size = check_chunk_size(chunk_size)  # checked before any reading
+    dtype = compute_dtype(dtype, "text encoder")
     device = torch.device(device)
     manager = residency_manager("text_encoder", device, residency, prefetch, resident_blocks)
     layerwise = manager is not None
@@ -431,13 +433,14 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
             path=processor_path or ckpt.source,
         )
 
+    main = ckpt.main_dtype()  # what dtype=None computes in; a tensor stored in another dtype is cast to it
     with torch.device("meta"):
         model = TextEncoder(ckpt.config, layer)
     recipes: dict[str, HostTensor] = {}
     with closing(FileReader()) as reader:
         for spec in ckpt.specs:
             # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
-            recipe = ckpt.recipe(spec, lambda stored: dtype or stored, tuple(spec.shapes[0]))
+            recipe = ckpt.recipe(spec, lambda stored: dtype or main, tuple(spec.shapes[0]))
             if layerwise and _offloaded(spec.name):
                 # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
                 recipes[spec.name] = recipe

@@ -331,7 +331,7 @@ def load_video_vae(source: str | os.PathLike, *, device="cpu", dtype: torch.dtyp
 
     `tiling` (default True: the released frames are tiled ones), `tile_size` / `tile_min_overlap` in pixels
     (default 256 / 64, or the native config's values), `decode_autocast` (default: fp16 on CUDA only).
-    Weights are float32; on the CPU with an fp32 file they are the memory-mapped file pages themselves.
+    Weights are float32, read into the process's own memory (resident) or streamed from the files (layerwise).
 
     `residency="layerwise"` streams the ViT decoder's transformer blocks (one pass per decoded tile): they stay in
     the memory maps and are upcast / de-interleaved when materialised; at most `prefetch + 1` are on the device

@@ -483,8 +483,15 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     return plan
 
 
+# No machine has a pebibyte of memory; above it a budget is a typo (1e300 overflowed the conversion to bytes).
+MAX_MEMORY_BUDGET_GIB = 2 ** 20
+
+
 def check_memory_budget_gib(value, name: str = "memory budget") -> float:
-    """A budget in GiB, as the CLI's --memory-budget takes it: a finite number above 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise H3Error(f"{name} {value!r}: must be a finite number of GiB above 0, e.g. 24.")
+    """A budget in GiB, as the CLI's --memory-budget takes it: a finite number above 0 (not a bool), at most
+    `MAX_MEMORY_BUDGET_GIB`."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+            or value > MAX_MEMORY_BUDGET_GIB):
+        raise H3Error(f"{name} {value!r}: must be a finite number of GiB above 0 and at most "
+                      f"{MAX_MEMORY_BUDGET_GIB:,}, e.g. 24.")
     return float(value)

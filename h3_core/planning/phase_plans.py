@@ -10,7 +10,6 @@ and activations, plus the weights, stores and rings of every kept component.
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Mapping
 
 import torch
@@ -18,7 +17,7 @@ import torch
 from .. import settings
 from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
 from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED
-from ..checkpoints.dit_loader import resolve_dit_checkpoint, target_dtype
+from ..checkpoints.dit_loader import is_fp32_island, resolve_dit_checkpoint, target_dtype
 from ..checkpoints.lora_loader import LoraFold, read_lora
 from ..checkpoints.quantised import DEQUANTISED_DEFAULT_DTYPE
 from ..checkpoints.text_encoder_loader import PHASE_SCOPED as TEXT_PHASE_SCOPED
@@ -32,7 +31,7 @@ from ..models.meta_models import meta_model
 from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 from ..runtime.chunking import projection_elements_per_row
 from ..runtime.platform import Platform
-from .memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, fit_budget, format_bytes
+from .memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, check_memory_budget_gib, fit_budget, format_bytes
 
 # Text rows assumed before the prompt is tokenised (a long prompt; keyframes add about 64 rows per 256x256 image).
 TEXT_ROWS_ESTIMATE = 512
@@ -137,8 +136,9 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                   reference_audio: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
+    main = ckpt.main_dtype(is_fp32_island)
     targets = {spec.name: target_dtype(spec.name, DEQUANTISED_DEFAULT_DTYPE if ckpt.quantised_bytes(spec) else
-                                       ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype)
+                                       ckpt.files[spec.keys[0]].dtype(spec.keys[0]), dtype, main)
                for spec in ckpt.specs}
     residual_dtype = targets.get("condition_proj.weight", torch.float32)
 
@@ -358,9 +358,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
     transformer's loader, either way.
     """
     if memory_budget_gb is not None:
-        finite = isinstance(memory_budget_gb, (int, float)) and math.isfinite(memory_budget_gb)
-        if not (finite and memory_budget_gb > 0):
-            raise H3Error(f"memory budget must be a finite number of GiB above 0, got {memory_budget_gb}.")
+        memory_budget_gb = check_memory_budget_gib(memory_budget_gb)
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
                                height=height, num_frames=num_frames, dtype=dtype, chunk_size=chunk_size,
                                loras=loras, keep=keep, keyframes=keyframes, steps=steps,
