@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -278,6 +279,24 @@ def test_repo_id_offline_gives_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(CheckpointError, match="Offline mode is on"):
         resolve_model("MiniMaxAI/MiniMax-H3-not-cached")
+
+
+@pytest.mark.parametrize("value", ["abc", None, 1.7, 0, -3, True, [50]])
+def test_a_text_encoder_layer_that_is_not_a_whole_number_is_named(tiny, tmp_path, value):
+    # Before: "abc" and null were a ValueError / TypeError traceback from int(), and 1.7 silently read layer 1.
+    model = tmp_path / "models"
+    shutil.copytree(tiny, model, symlinks=True)
+    index = model / "model_index.json"
+    data = json.loads(index.read_text())
+    data["_minimax_h3"]["text_encoder_layer"] = value
+    index.unlink()
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError) as info:
+        resolve_model(model)
+    assert str(info.value) == (f"{index}: _minimax_h3.text_encoder_layer must be a whole number of layers >= 1 (the "
+                               f"released model uses 50), got {value!r}. Fix the file, or download model_index.json "
+                               "again.")
+    assert info.value.key == "text_encoder_layer"
 
 
 def test_missing_component_folder_names_it(tiny, tmp_path):
