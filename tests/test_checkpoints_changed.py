@@ -40,12 +40,17 @@ def change(paths, how, rewrite_from):
         if how == "truncate":
             os.truncate(path, size // 2)
         else:  # rewritten in place: same size, other bytes from `rewrite_from(size)` on
+            before = os.stat(path)
             start = rewrite_from(size)
             with open(path, "r+b") as f:
                 f.seek(start)
                 f.write(os.urandom(size - start))
             st = os.stat(path)
-            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+            # "rewrite" moves the modification time on (a coarse-clock file system may not have); "rewrite-keeping-
+            # mtime" restores it, as `rsync --inplace -t` does: only the status-change time shows the change then.
+            mtime = before.st_mtime_ns if how == "rewrite-keeping-mtime" else st.st_mtime_ns + 10**9
+            os.utime(path, ns=(st.st_atime_ns, mtime))
+            assert how != "rewrite-keeping-mtime" or os.stat(path).st_mtime_ns == before.st_mtime_ns
 
 
 def pipeline_case(folder, how, residency):
@@ -101,7 +106,7 @@ def run_case(parameters):
 report_cases(run_case)
 """
 
-HOWS = ("truncate", "rewrite")
+HOWS = ("truncate", "rewrite", "rewrite-keeping-mtime")
 READ_AHEADS = (0, 1)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,16 +25,24 @@ _FADVISE = hasattr(os, "posix_fadvise")
 
 @dataclass(frozen=True)
 class FileIdentity:
-    """What must not change while a file is in use: device, inode, size and modification time."""
+    """What must not change while a file is in use: device, inode, size, modification time and status-change time.
+
+    The status-change time (ctime) is what catches a same-size rewrite in place that restores the modification time
+    (`rsync --inplace -t`, `cp --preserve=timestamps` onto the file, a `touch -r`): no program can set it. It also
+    moves on a chmod or a new hard link (then the file is reported rewritten: load it again), and when the file is
+    replaced by a rename, which is ignored: an unlinked inode (`linked` false) can no longer be written by path, and
+    our descriptor still reads the bytes that were loaded."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
+    linked: bool = field(default=True, compare=False)
 
     @classmethod
     def of_stat(cls, st: os.stat_result) -> "FileIdentity":
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_nlink > 0)
 
     @classmethod
     def of(cls, path: str | os.PathLike) -> "FileIdentity":
@@ -44,8 +52,10 @@ class FileIdentity:
         """How `now` differs from this identity, in words; None when it does not."""
         if now.size != self.size:
             return f"its size changed from {self.size} to {now.size} bytes"
-        if (now.device, now.inode) != (self.device, self.inode) or now.mtime_ns != self.mtime_ns:
+        if (now.device, now.inode, now.mtime_ns) != (self.device, self.inode, self.mtime_ns):
             return "it was rewritten"
+        if now.ctime_ns != self.ctime_ns and now.linked:
+            return "it was rewritten (its status-change time moved)"
         return None
 
 
