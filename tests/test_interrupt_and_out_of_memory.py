@@ -3,6 +3,8 @@ left as it was (the next run gives the clean run's output), and the CLI's Ctrl-C
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -82,3 +84,62 @@ def test_cli_ctrl_c_exits_cleanly(tiny, monkeypatch, capsys):
     assert cli.main(["generate", "x", "--out", str(tiny.parent / "never.mp4")]) == 130
     assert "interrupted" in capsys.readouterr().err and released == [True]
     assert not (tiny.parent / "never.mp4").exists()
+
+
+# ---- a Ctrl-C after the output is written: the real CLI process, a real SIGINT at a chosen instruction ------------
+
+# Runs `python -m h3_core` as `python -m` does, after `patch` (Python source) has run in the child.
+EPILOGUE_CHILD = """
+import os, runpy, signal, sys
+{patch}
+sys.argv = ["h3_core", *sys.argv[1:]]
+runpy.run_module("h3_core", run_name="__main__", alter_sys=True)
+"""
+
+# Main's finally restoring the SIGTERM handler: the moment the earlier round's traceback came from.
+SIGINT_IN_MAINS_FINALLY = """
+import h3_core.app.cli as cli
+real_signal = signal.signal
+def signal_with_a_ctrl_c(signum, handler):
+    if signum == signal.SIGTERM and handler is not cli._on_sigterm:
+        os.kill(os.getpid(), signal.SIGINT)
+    return real_signal(signum, handler)
+signal.signal = signal_with_a_ctrl_c
+"""
+
+# Main printed its result and is returning: the interrupt lands in its last instructions.
+SIGINT_AS_MAIN_RETURNS = """
+import h3_core.app.cli as cli
+def main(argv=None):
+    print("wrote out.mp4")
+    os.kill(os.getpid(), signal.SIGINT)
+    return 0
+cli.main = main
+"""
+
+
+def _epilogue_child(patch, args, tmp_path, tiny_cache):
+    import subprocess
+    import sys
+
+    from cli_fixtures import default_sigint
+    from child_cases import ROOT
+
+    env = dict(os.environ, H3_STREAM_CACHE=str(tiny_cache), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", EPILOGUE_CHILD.format(patch=patch), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300, preexec_fn=default_sigint)
+
+
+def test_a_ctrl_c_in_mains_last_instructions_is_no_traceback(tiny, tiny_cache, tmp_path):
+    # Before: "Traceback ... KeyboardInterrupt" from the signal restore in main's finally, after "wrote out.mp4".
+    done = _epilogue_child(SIGINT_IN_MAINS_FINALLY, ["generate", "x", "--seconds", "0.2", "--size", "64x64",
+                                                     "--steps", "2", "--out", "out.mp4"], tmp_path, tiny_cache)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 0 and "\nwrote out.mp4\n" in done.stdout, (done.stdout, done.stderr)
+    assert (tmp_path / "out.mp4").stat().st_size > 0
+
+
+def test_a_ctrl_c_as_main_returns_exits_130_without_a_traceback(tiny_cache, tmp_path):
+    done = _epilogue_child(SIGINT_AS_MAIN_RETURNS, [], tmp_path, tiny_cache)
+    assert done.returncode == 130 and done.stderr == "" and done.stdout == "wrote out.mp4\n", (done.stdout,
+                                                                                              done.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import signal
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--model", help="H3 folder or Hugging Face repo id (default: the embedded tiny random model)")
     g.add_argument("--partition", choices=("fl2va", "ref2va"), default="fl2va")
+    g.add_argument("--transformer", type=Path, metavar="FILE",
+                   help="the transformer to use instead of the model's: a ComfyUI .safetensors (bf16, fp8, int8, "
+                        "NVFP4) or a .gguf file, or a transformer folder")
     g.add_argument("--first-frame", type=Path, help="keyframe image for the first frame (FL2VA)")
     g.add_argument("--last-frame", type=Path, help="keyframe image for the last frame (FL2VA)")
     g.add_argument("--ref-image", action="append", default=[], type=Path, metavar="FILE",
@@ -216,6 +220,8 @@ def check_arguments(args, say) -> GenerationRequest:
         if path is not None:
             _flagged(flag, check_image_file, path)
     check_reference_flags(args)
+    if args.transformer is not None:
+        _existing(args.transformer, "--transformer")
     loras = [parse_lora(text) for text in args.lora]
     recommended = lora_recommendations(loras, args, say)
     chosen = {key: recommended.get(key, default) if getattr(args, key) is None else getattr(args, key)
@@ -251,8 +257,17 @@ def check_reference_flags(args) -> None:
         _flagged("--ref-image", check_image_file, path)
     for flag, paths in (("--ref-video", args.ref_video), ("--ref-audio", args.ref_audio)):
         for path in paths:
-            if not Path(path).expanduser().is_file():
-                raise CliError(f"{flag} {path}: no such file.")
+            _existing(path, flag, folder_allowed=False)
+
+
+def _existing(path: Path, flag: str, *, folder_allowed: bool = True) -> Path:
+    """The path a flag names, which must exist (and be a file, unless `folder_allowed`)."""
+    path = Path(path).expanduser()
+    if path.is_dir() and not folder_allowed:
+        raise CliError(f"{flag} {path}: is a folder; give a file inside it.")
+    if not path.exists():
+        raise CliError(f"{flag} {path}: no such file{' or folder' if folder_allowed else ''}.")
+    return path
 
 
 def read_reference_files(args) -> dict:
@@ -342,6 +357,9 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
     else:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
+    if args.transformer is not None:
+        sources = sources.replace(transformer=_existing(args.transformer, "--transformer"))
+        say(f"transformer: {sources.transformer} (--transformer)")
     from ..planning.phase_plans import plan_components
     from ..sources.model_sources import canvas_rules
 
@@ -419,5 +437,21 @@ def main(argv=None) -> int:
         print(f"terminated; {_what_was_written(outputs)}", file=sys.stderr)
         return 128 + signal.SIGTERM
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        # Nothing is left to stop here: a Ctrl-C now would only turn the result above into a traceback.
+        with _interrupts_held():
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _interrupts_held():
+    """SIGINT ignored inside (in the main thread; elsewhere nothing to hold), then given back its handler."""
+    try:
+        held = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        held = None
+    try:
+        yield
+    finally:
+        if held is not None:
+            signal.signal(signal.SIGINT, held)

@@ -8,7 +8,8 @@ import math
 from ..errors import H3Error
 
 # Flags that configure a local run only, with their defaults: given with --server, they are ignored and said so.
-LOCAL_ONLY_FLAGS = (("--model", "model", None), ("--residency", "residency", "auto"),
+LOCAL_ONLY_FLAGS = (("--model", "model", None), ("--transformer", "transformer", None),
+                    ("--residency", "residency", "auto"),
                     ("--chunk-size", "chunk_size", None), ("--memory-budget", "memory_budget", None),
                     ("--keep", "keep", []), ("--device", "device", "cpu"), ("--dtype", "dtype", "auto"),
                     ("--yes-large", "yes_large", False))
