@@ -9,7 +9,7 @@ import dataclasses
 from comfy_api.latest import io
 
 from h3_core.errors import H3Error
-from h3_core.request.generation_request import (AUDIO_SHIFT, SEED_MAX, VIDEO_SHIFT, RequestNames,
+from h3_core.request.generation_request import (AUDIO_SHIFT, MAX_SHIFT, SEED_MAX, VIDEO_SHIFT, RequestNames,
                                                 frames_for_duration)
 from h3_core.request.grid import CANVAS_MULTIPLE, MAX_CANVAS, MAX_FRAMES, MAX_SECONDS
 
@@ -53,9 +53,9 @@ def sampler_inputs() -> list:
         io.Int.Input("seed", default=0, min=0, max=SEED_MAX, control_after_generate=True,
                      tooltip="Initial noise (diffusers' recipe: the same seed gives other noise in core "
                              "ComfyUI or sglang)."),
-        io.Float.Input("video_shift", default=VIDEO_SHIFT, min=MIN_SHIFT, max=100.0, step=0.1,
+        io.Float.Input("video_shift", default=VIDEO_SHIFT, min=MIN_SHIFT, max=MAX_SHIFT, step=0.1,
                        tooltip=f"Sigma shift of the video schedule ({VIDEO_SHIFT:g} for the released model)."),
-        io.Float.Input("audio_shift", default=AUDIO_SHIFT, min=MIN_SHIFT, max=100.0, step=0.1,
+        io.Float.Input("audio_shift", default=AUDIO_SHIFT, min=MIN_SHIFT, max=MAX_SHIFT, step=0.1,
                        tooltip=f"Sigma shift of the audio schedule ({AUDIO_SHIFT:g} for the released model)."),
         io.Int.Input("chunk_size", default=0, min=0, max=MAX_CHUNK_SIZE,
                      tooltip="Packed rows per chunk for this run only. 0: the loader's setting."),

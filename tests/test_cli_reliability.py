@@ -58,6 +58,9 @@ NOT_A_GPU = "this PyTorch build has no CUDA support"
     (["--frames", "100000"], "--frames 100000 (100016 on the 17n + 5 grid) is 4167.3 s of video; H3 generates at "
                              "most 15 s (362 frames)."),
     (["--video-shift", "inf"], "--video-shift inf: must be a finite number above 0"),
+    (["--video-shift", "1e308"], "--video-shift 1e+308: must be a finite number above 0 and at most 100 (the released "
+                                 "model uses 12 for video and 3 for audio)."),
+    (["--audio-shift", "101"], "--audio-shift 101.0: must be a finite number above 0 and at most 100"),
     (["--video-shift", "nan"], "--video-shift nan: must be a finite number above 0"),
     (["--audio-shift", "0"], "--audio-shift 0.0: must be a finite number above 0"),
     (["--chunk-size", "0"], "--chunk-size 0: must be at least 1"),

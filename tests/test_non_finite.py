@@ -66,8 +66,8 @@ def test_a_non_finite_shift_names_the_shift(tiny, name, value):
     with pytest.raises(H3Error) as error:
         pipe.generate("a fox", **REQUEST, **{name: value})
     # Checked with the request, before any model loads (the schedule's own check says the same for direct callers).
-    assert str(error.value) == (f"{name} {value}: must be a finite number above 0 (the released model uses 12 for "
-                                "video and 3 for audio).")
+    assert str(error.value) == (f"{name} {value}: must be a finite number above 0 and at most 100 (the released "
+                                "model uses 12 for video and 3 for audio).")
     assert pipe.loaded == ()
 
 

@@ -87,11 +87,18 @@ def check_steps(steps, name: str = "steps") -> int:
     return whole
 
 
+# The largest sigma shift taken (the nodes' widgets too): the released model uses 12 and 3, published LoRAs single
+# digits; far above, the float32 schedule overflows (1e308 gave NaN sigmas, blamed on the sampler input once the models
+# had loaded) or its first grid points collide.
+MAX_SHIFT = 100.0
+
+
 def check_shift(value, name: str) -> float:
-    """A sigma shift: a finite number above 0 (1 leaves the schedule unshifted)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
-        raise H3Error(f"{name} {value!r}: must be a finite number above 0 (the released model uses "
-                      f"{VIDEO_SHIFT:g} for video and {AUDIO_SHIFT:g} for audio).")
+    """A sigma shift: a finite number above 0 and at most `MAX_SHIFT` (1 leaves the schedule unshifted)."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+            or value > MAX_SHIFT):
+        raise H3Error(f"{name} {value!r}: must be a finite number above 0 and at most {MAX_SHIFT:g} (the released "
+                      f"model uses {VIDEO_SHIFT:g} for video and {AUDIO_SHIFT:g} for audio).")
     return float(value)
 
 
