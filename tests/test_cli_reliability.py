@@ -400,3 +400,29 @@ def test_the_cli_generates_with_a_gguf_transformer_file(tiny, run_cli, tmp_path)
 def test_a_missing_or_folder_file_flag_is_one_line(args, message, tiny, run_cli, tmp_path):
     # Before: a folder given as --ref-audio / --ref-video was "no such file".
     assert one_error_line(run_cli(["generate", "x", *args], tmp_path)) == message
+
+
+# ---- the server's API key: one line of printable ASCII, never shown ----------------------------------------------
+
+SECRET = "sk-h3-secret"
+
+
+@pytest.mark.parametrize("key,what", [(f"{SECRET}\n", "a line break at character 13 of 13"),
+                                      (f"{SECRET}\r\nX-Injected: 1", "a line break at character 13 of 27"),
+                                      (f"{SECRET} extra", "a space at character 13 of 18"),
+                                      (f"{SECRET}ключ", "a character that is not printable ASCII at character 13")])
+def test_an_api_key_no_header_can_carry_is_one_line_that_never_shows_it(key, what, run_cli, tmp_path):
+    # Before: http.client's "Invalid header value b'Bearer sk-...'" traceback (the key in the log) or a
+    # UnicodeEncodeError, after the flags were accepted. The server address is never contacted.
+    done = run_cli(["generate", "x", "--server", "http://127.0.0.1:9"], tmp_path, H3_STREAM_API_KEY=key)
+    stderr = one_error_line(done)
+    assert stderr.startswith(f"error: $H3_STREAM_API_KEY: the API key holds {what}"), stderr
+    assert SECRET not in stderr and SECRET not in done.stdout and "127.0.0.1:9" not in stderr
+
+
+def test_an_api_key_argument_is_checked_the_same_way():
+    from h3_core.remote import RemoteEngine
+
+    with pytest.raises(H3Error, match=r"^api_key: the API key holds a line break at character 13") as info:
+        RemoteEngine("http://127.0.0.1:9", api_key=f"{SECRET}\n")
+    assert SECRET not in str(info.value)

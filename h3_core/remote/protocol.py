@@ -6,6 +6,8 @@ object, its statuses, error bodies and model cards. What each engine adds or ref
 
 from __future__ import annotations
 
+from ..errors import H3Error
+
 # ---- paths ------------------------------------------------------------------------------------------------------------
 MODELS_PATH = "/v1/models"
 LEGACY_MODELS_PATH = "/models"  # SGLang's older card, deprecated there; vLLM-Omni has none
@@ -29,6 +31,24 @@ AUTHORIZATION_HEADER = "Authorization"
 
 def authorization_value(api_key: str) -> str:
     return f"Bearer {api_key}"
+
+
+def check_api_key(api_key, where: str) -> str | None:
+    """An API key as an HTTP header carries it: one line of printable ASCII. A line break (a key pasted with its
+    newline) would be refused by http.client in a traceback that shows the key, a non-Latin character fails to
+    encode; the message says where the key came from (`where`) and never shows it."""
+    if api_key is None or api_key == "":
+        return None
+    if not isinstance(api_key, str):
+        raise H3Error(f"{where}: the API key must be text, got {type(api_key).__name__}.")
+    for position, character in enumerate(api_key, 1):
+        if not " " < character <= "~":
+            what = "a line break" if character in "\r\n" else ("a space" if character.isspace() else
+                                                                "a character that is not printable ASCII")
+            raise H3Error(f"{where}: the API key holds {what} at character {position} of {len(api_key)}; a key is "
+                          "one line of printable ASCII without spaces. Set it again (without the trailing newline "
+                          "or quotes).")
+    return api_key
 
 
 # ---- job statuses ---------------------------------------------------------------------------------------------------

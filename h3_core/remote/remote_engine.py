@@ -60,7 +60,8 @@ class RemoteEngine:
                             ("answer_timeout", answer_timeout), ("download_timeout", download_timeout)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise H3Error(f"{name} {value!r}: must be a number of seconds above 0.")
-        key = api_key if api_key is not None else os.environ.get(protocol.API_KEY_ENV)
+        key = (protocol.check_api_key(api_key, "api_key") if api_key is not None else
+               protocol.check_api_key(os.environ.get(protocol.API_KEY_ENV), f"${protocol.API_KEY_ENV}"))
         self.client = VideosClient(url, api_key=key, timeout=timeout, attempts=attempts, backoff=backoff,
                                    max_backoff=max_backoff, wait=self._wait, answer_timeout=answer_timeout,
                                    download_timeout=download_timeout)
