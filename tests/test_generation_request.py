@@ -152,6 +152,20 @@ def test_empty_and_very_long_prompts(tiny):
     pipe.release_all()
 
 
+def test_a_prompt_too_long_to_tokenise_is_refused_before_any_model_loads(tiny):
+    # Before: a 10 MB paste was tokenised (27 s here) once the text encoder had loaded, then refused for its tokens.
+    from h3_core.pipeline import H3Pipeline
+    from h3_core.request.generation_request import MAX_PROMPT_CHARACTERS
+    from h3_core.sources import resolve_model
+
+    pipe = H3Pipeline(resolve_model(tiny))
+    with pytest.raises(H3Error) as info:
+        pipe.generate("a" * (MAX_PROMPT_CHARACTERS + 1), **PIPELINE_REQUEST)
+    assert str(info.value) == ("prompt: 262,145 characters; at most 262,144 characters (and 4096 tokens) are accepted "
+                               "(H3 was trained on prompts of a few hundred tokens). Shorten it.")
+    assert pipe.loaded == ()
+
+
 @pytest.fixture(scope="module")
 def pipeline(tiny):
     """One pipeline for the refusals below: a request is checked before anything loads, so none changes it."""

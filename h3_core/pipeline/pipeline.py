@@ -26,7 +26,7 @@ from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
 from ..planning.phase_plans import PHASES, REFERENCE_PHASES
-from ..request.generation_request import GenerationRequest
+from ..request.generation_request import MAX_PROMPT_TOKENS, GenerationRequest
 from ..request.generation_result import GenerationResult
 from ..request.grid import LatentShape, audio_samples_for_frames
 from ..request.keyframes import pil_to_frames, prepare_keyframes
@@ -38,8 +38,6 @@ from ..sources.model_sources import (ModelSources, canvas_rules, check_component
 from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
                      unpatchify)
 from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
-
-MAX_PROMPT_TOKENS = 4096
 
 # ---- the pipeline ---------------------------------------------------------------------------------------------------
 

@@ -102,11 +102,22 @@ def check_shift(value, name: str) -> float:
     return float(value)
 
 
+# Tokens a prompt may have (counted by the pipeline once the tokenizer is loaded).
+MAX_PROMPT_TOKENS = 4096
+# Characters a prompt may have, checked before it is tokenised: 64 per allowed token is far above any real prompt,
+# and tokenising a 10 MB paste took 27 s before its refusal (after the text encoder had loaded).
+MAX_PROMPT_CHARACTERS = 64 * MAX_PROMPT_TOKENS
+
+
 def check_prompt(prompt, name: str = "prompt") -> str:
     """Text only: a str that encodes as UTF-8 (no lone surrogates, which is how undecodable command-line bytes
-    arrive in Python)."""
+    arrive in Python), at most `MAX_PROMPT_CHARACTERS` long."""
     if not isinstance(prompt, str):
         raise H3Error(f"{name} must be a string, got {type(prompt).__name__}.")
+    if len(prompt) > MAX_PROMPT_CHARACTERS:
+        raise H3Error(f"{name}: {len(prompt):,} characters; at most {MAX_PROMPT_CHARACTERS:,} characters (and "
+                      f"{MAX_PROMPT_TOKENS} tokens) are accepted (H3 was trained on prompts of a few hundred "
+                      "tokens). Shorten it.")
     try:
         prompt.encode("utf-8")
     except UnicodeEncodeError as exc:
