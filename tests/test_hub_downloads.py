@@ -379,3 +379,91 @@ def test_a_needed_shard_missing_from_the_folder_is_still_one_clear_error(hub, tm
     with pytest.raises(CheckpointError, match=r"names shard 'model-00001-of-00002.safetensors' \(for key '.*'\), "
                                               r"which is missing from"):
         resolve_text_encoder_checkpoint(folder / "text_encoder", 2)
+
+
+# ---- content hashes (issue 28) ---------------------------------------------------------------------------------------
+
+WEIGHTS = "vae/diffusion_pytorch_model.safetensors"  # an LFS file: 302 to the CDN, X-Linked-Etag its sha256
+CONFIG = "vae/config.json"  # stored in git: ETag its git blob sha1
+
+
+def test_the_stand_in_answers_as_the_hub_does_for_lfs_and_git_files(hub):
+    """huggingface_hub's own metadata call against the stand-in: an LFS file's ETag is the sha256 of its bytes (from
+    X-Linked-Etag on the 302, not the 302's own ETag) and it lives on another host; a git file's is git's sha1."""
+    import hashlib
+
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils.sha import git_hash
+
+    files = hub.repos[REPO].files
+    lfs = get_hf_file_metadata(hf_hub_url(REPO, WEIGHTS, revision=COMMIT, endpoint=hub.url), endpoint=hub.url)
+    assert lfs.etag == hashlib.sha256(files[WEIGHTS]).hexdigest() and lfs.size == len(files[WEIGHTS])
+    assert lfs.commit_hash == COMMIT and lfs.location.startswith(hub.cdn_url + "/")
+    git = get_hf_file_metadata(hf_hub_url(REPO, CONFIG, revision=COMMIT, endpoint=hub.url), endpoint=hub.url)
+    assert git.etag == git_hash(files[CONFIG]) and git.size == len(files[CONFIG])
+
+
+def test_the_token_goes_to_the_hub_and_never_to_the_cdn(hub, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_loopbackSecretToken123")
+    download(tmp_path)
+    cdn = [r for r in hub.requests if r.cdn]
+    assert {r.path for r in cdn} == {n for n in FL2VA_FILES if n.endswith(".safetensors")}
+    assert all(r.authorization is None for r in cdn)
+    assert {r.authorization for r in hub.requests if not r.cdn} == {"Bearer hf_loopbackSecretToken123"}
+
+
+@pytest.mark.parametrize("name", [WEIGHTS, CONFIG])
+def test_a_file_with_the_right_size_and_wrong_bytes_is_fetched_again_once(hub, tmp_path, name):
+    """Before: cached as good (huggingface_hub checks only the size). The LFS file is checked against its sha256,
+    the git file against its git sha1."""
+    hub.fail("GET", name, "corrupt")
+    sleeps, said = [], []
+    folder = download_partition(REPO, "fl2va", False, tmp_path / "cache", log=said.append,
+                                retry=RetryPolicy(sleep=sleeps.append))
+    assert (folder / name).read_bytes() == hub.repos[REPO].files[name]
+    assert file_gets(hub).count(name) == 2 and sleeps == []
+    kind = "sha256" if name == WEIGHTS else "git-sha1"
+    assert said == [f"{REPO}: {name} arrived with other bytes than its {kind} says; deleted, fetching it again"]
+
+
+def test_a_file_wrong_twice_is_one_error_and_nothing_of_it_is_cached(hub, tmp_path):
+    import hashlib
+
+    data = hub.repos[REPO].files[WEIGHTS]
+    sha = hashlib.sha256(data).hexdigest()
+    bad = hashlib.sha256(data[:-1] + bytes([data[-1] ^ 0xFF])).hexdigest()
+    hub.fail("GET", WEIGHTS, "corrupt", "corrupt")
+    sleeps = []
+    with pytest.raises(CheckpointError) as caught:
+        download(tmp_path, sleeps=sleeps)
+    assert str(caught.value) == (
+        f"{REPO}: {WEIGHTS} arrived twice with other bytes than the Hub lists for it (sha256 {sha}, received {bad}); "
+        "it was deleted and nothing of it is cached. Something between here and the Hub alters the file (a proxy, a "
+        f"mirror set in HF_ENDPOINT, a failing disk under {tmp_path / 'cache'}); run again on another network or "
+        "with another cache_dir / HF_HUB_CACHE.")
+    assert file_gets(hub).count(WEIGHTS) == 2 and sleeps == []
+    blobs = tmp_path / "cache" / "models--owner--h3" / "blobs"
+    assert not any(p.name.startswith(sha) for p in blobs.iterdir())  # neither the blob nor a partial file
+    snapshot = tmp_path / "cache" / "models--owner--h3" / "snapshots" / COMMIT
+    assert not (snapshot / WEIGHTS).exists()
+    assert (download(tmp_path) / WEIGHTS).read_bytes() == data  # the next run fetches it as new
+
+
+def test_a_resumed_partial_file_is_checked_over_all_its_bytes(hub, tmp_path):
+    """The bytes a partial file already held are hashed too: a corrupt first part (a cut download whose disk
+    flipped a byte) is found after the resume, and the file is fetched whole."""
+    import hashlib
+
+    data = hub.repos[REPO].files[SHARD_1]
+    cut = len(data) // 3
+    hub.fail("GET", SHARD_1, f"cut:{cut}")
+    with pytest.raises(CheckpointError, match="still failed after 1 attempts"):
+        download(tmp_path, retry=RetryPolicy(attempts=1))
+    partial = tmp_path / "cache" / "models--owner--h3" / "blobs" / (hashlib.sha256(data).hexdigest() + ".h3-partial")
+    held = bytearray(partial.read_bytes())
+    held[10] ^= 0xFF
+    partial.write_bytes(bytes(held))
+    folder = download(tmp_path)
+    assert (folder / SHARD_1).read_bytes() == data
+    assert [r.range for r in hub.requests if r.method == "GET" and r.path == SHARD_1] == [None, f"bytes={cut}-",
+                                                                                           None]

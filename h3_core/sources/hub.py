@@ -7,12 +7,20 @@ request after a failure, in this run or the next (huggingface_hub 2.x deletes it
 fails, so it cannot resume across attempts); huggingface_hub itself then links the finished blob into the snapshot
 and writes the ref, so the cache layout is exactly its own and later offline runs find the files. Transient failures
 (connection resets, 5xx, a closed client) are retried with capped exponential backoff; 401/403/404 never are.
+
+Every file is checked against its ETag before it becomes a blob (huggingface_hub 2.x checks only the size): an LFS
+file's is the sha256 of its bytes (X-Linked-Etag on the resolve answer, `lfs.sha256` in the file list), a file stored
+in git has git's blob sha1 (`sha1(b"blob <size>\\0" + bytes)`, the list's `blobId`). The hash is taken as the bytes
+arrive; a resumed partial file hashes what it already holds first. A mismatch deletes the file and fetches it whole
+once more; a second one is an error, and nothing of the file is cached.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -32,8 +40,22 @@ PARTIAL_SUFFIX = ".h3-partial"
 GIB = 1 << 30
 # Progress is reported about this many times per download (and at its end), not per chunk.
 PROGRESS_STEPS = 1000
+HASH_CHUNK_BYTES = 8 << 20
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+GIT_SHA1_HEX = re.compile(r"[0-9a-f]{40}")
 
 Progress = Callable[[int, int], None]
+
+
+def text_encoder_layer(block: dict, index) -> int:
+    """The hidden layer H3 reads text features from (`_minimax_h3.text_encoder_layer`): a whole number >= 1, refused
+    otherwise rather than cast (int(1.7) would silently read another layer than the file names)."""
+    value = block.get("text_encoder_layer", DEFAULT_TEXT_ENCODER_LAYER)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{index}: _minimax_h3.text_encoder_layer must be a whole number of layers >= 1 (the "
+                              f"released model uses {DEFAULT_TEXT_ENCODER_LAYER}), got {value!r}. Fix the file, or "
+                              "download model_index.json again.", path=index, key="text_encoder_layer")
+    return value
 
 
 @dataclass(frozen=True)
@@ -55,6 +77,53 @@ DEFAULT_RETRY = RetryPolicy()
 
 class _TransferIncomplete(OSError):
     """The server closed a body early: transient, and the partial file continues next time."""
+
+
+class _ContentHash:
+    """The hash a file's ETag is: sha256 of the bytes for a 64-hex ETag (an LFS file), git's blob sha1 for a 40-hex
+    one (a file stored in git: it hashes `blob <size>\\0` first, so it needs the size before the bytes)."""
+
+    def __init__(self, expected: str, size: int | None):
+        self.expected = expected
+        self.kind = "sha256" if SHA256_HEX.fullmatch(expected) else "git-sha1"
+        self.size = size
+        self.reset()
+
+    @staticmethod
+    def for_etag(etag: str | None, listed: str | None, size: int | None) -> _ContentHash | None:
+        """From the resolve answer's ETag; from the file list when the ETag is not a hash (a proxy that rewrites
+        it); None when neither is (the file cannot be checked). A git file of unknown size cannot be hashed as it
+        arrives: it is hashed once complete (such files are small, the Hub keeps files over 10 MB in LFS)."""
+        for value in (etag, listed):
+            value = (value or "").lower()
+            if SHA256_HEX.fullmatch(value) or GIT_SHA1_HEX.fullmatch(value):
+                return _ContentHash(value, size)
+        return None
+
+    def reset(self) -> None:
+        if self.kind == "sha256":
+            self.hasher = hashlib.sha256()
+        else:
+            self.hasher = hashlib.sha1()  # git's object name, not a security choice: the Hub's ETag is this
+            if self.size is not None:
+                self.hasher.update(f"blob {self.size}\0".encode())
+
+    def update(self, chunk: bytes) -> None:
+        self.hasher.update(chunk)
+
+    def update_from(self, path: Path) -> None:
+        with open(path, "rb") as source:
+            while chunk := source.read(HASH_CHUNK_BYTES):
+                self.hasher.update(chunk)
+
+    def digest_of(self, path: Path) -> str:
+        """The hash of the complete file at `path` (its bytes were fed as they arrived, except for a git file of
+        unknown size, hashed now)."""
+        if self.kind == "git-sha1" and self.size is None:
+            self.size = path.stat().st_size
+            self.reset()
+            self.update_from(path)
+        return self.hasher.hexdigest()
 
 
 class _ProgressRaised(Exception):
@@ -236,6 +305,8 @@ class _Download:
         self.endpoint = hub_endpoint()
         self.storage = cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
         self.done = self.total = self.reported = 0
+        self.mismatched: set[str] = set()  # files that arrived once with other bytes than their hash
+        self.unverified: set[str] = set()  # files without a hash to check (said once)
 
     # -- retries --
 
@@ -312,8 +383,8 @@ class _Download:
         model_index = model_index_name(files, self.partition)
         if model_index is not None:
             block = self.read_json(model_index).get("_minimax_h3")
-            if isinstance(block, dict) and isinstance(block.get("text_encoder_layer"), int):
-                layer = block["text_encoder_layer"]
+            if isinstance(block, dict):  # refused here, before the shards it chooses are fetched
+                layer = text_encoder_layer(block, f"{self.repo_id}: {model_index}")
         index_name = text_encoder_index_name(files, self.partition)
         weight_map = None
         if index_name is not None:
@@ -397,45 +468,82 @@ class _Download:
             self.transfer_locked(name, meta, counted)
 
     def transfer_locked(self, name: str, meta, counted: bool) -> None:
-        from huggingface_hub import constants
-        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
-
         blob = self.storage / "blobs" / meta.etag
         if blob.is_file():
             return
         blob.parent.mkdir(parents=True, exist_ok=True)
         partial = blob.with_name(blob.name + PARTIAL_SUFFIX)
         size = meta.size if meta.size is not None else self.sizes.get(name)
+        content = _ContentHash.for_etag(meta.etag, self.blob_ids.get(name), size)
+        if content is None and name not in self.unverified:
+            self.unverified.add(name)
+            self.log(f"{self.repo_id}: {name} comes without a content hash (ETag {meta.etag!r}, none in the file "
+                     "list), so only its size is checked; is HF_ENDPOINT a Hugging Face Hub?")
+        while True:
+            self.receive(name, meta, partial, size, content, counted)
+            got = partial.stat().st_size
+            if size is not None and got != size:
+                raise _TransferIncomplete(f"{name}: received {got} of {size} bytes")
+            digest = content.digest_of(partial) if content is not None else None
+            if digest is None or digest == content.expected:
+                os.replace(partial, blob)
+                return
+            partial.unlink()
+            if name in self.mismatched:
+                raise CheckpointError(
+                    f"{self.repo_id}: {name} arrived twice with other bytes than the Hub lists for it ({content.kind} "
+                    f"{content.expected}, received {digest}); it was deleted and nothing of it is cached. Something "
+                    "between here and the Hub alters the file (a proxy, a mirror set in HF_ENDPOINT, a failing disk "
+                    f"under {self.cache_dir}); run again on another network or with another cache_dir / "
+                    "HF_HUB_CACHE.", path=self.repo_id)
+            self.mismatched.add(name)
+            self.log(f"{self.repo_id}: {name} arrived with other bytes than its {content.kind} says; deleted, "
+                     "fetching it again")
+            if counted:
+                self.total += got  # the bar counts the bytes fetched again
+
+    def receive(self, name: str, meta, partial: Path, size: int | None, content: _ContentHash | None,
+                counted: bool) -> None:
+        """Append the file's missing bytes to `partial` (all of them when the server ignores the Range), feeding
+        `content` the whole file: what `partial` held first, then each chunk as it is written."""
+        from huggingface_hub import constants
+        from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
         start = partial.stat().st_size if partial.is_file() else 0
         if size is not None and start > size:
             partial.unlink()
             start = 0
-        if size is None or start < size:
-            headers = build_hf_headers(token=self.token)
-            if urlsplit(meta.location).netloc != urlsplit(self.endpoint).netloc:
-                headers.pop("authorization", None)  # a signed CDN address: the token stays on the Hub
-                headers.pop("Authorization", None)
-            headers["Accept-Encoding"] = "identity"  # byte offsets must be those of the file
+        if content is not None:
+            content.reset()
             if start:
-                headers["Range"] = f"bytes={start}-"
-            with get_session().stream("GET", meta.location, headers=headers, follow_redirects=True,
-                                      timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
-                if response.status_code == 416:
-                    partial.unlink(missing_ok=True)  # the partial file does not belong to this file: start again
-                hf_raise_for_status(response)
-                if start and response.status_code != 206:  # the server ignored the Range: the whole file comes
+                content.update_from(partial)  # a resumed file is checked over all its bytes
+        if size is not None and start == size:
+            return
+        headers = build_hf_headers(token=self.token)
+        if urlsplit(meta.location).netloc != urlsplit(self.endpoint).netloc:
+            headers.pop("authorization", None)  # a signed CDN address: the token stays on the Hub
+            headers.pop("Authorization", None)
+        headers["Accept-Encoding"] = "identity"  # byte offsets must be those of the file
+        if start:
+            headers["Range"] = f"bytes={start}-"
+        with get_session().stream("GET", meta.location, headers=headers, follow_redirects=True,
+                                  timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+            if response.status_code == 416:
+                partial.unlink(missing_ok=True)  # the partial file does not belong to this file: start again
+            hf_raise_for_status(response)
+            if start and response.status_code != 206:  # the server ignored the Range: the whole file comes
+                if counted:
+                    self.total += start
+                start = 0
+                if content is not None:
+                    content.reset()
+            with open(partial, "ab" if start else "wb") as out:
+                for chunk in response.iter_bytes():  # as received: a cut keeps every byte that arrived
+                    out.write(chunk)
+                    if content is not None:
+                        content.update(chunk)
                     if counted:
-                        self.total += start
-                    start = 0
-                with open(partial, "ab" if start else "wb") as out:
-                    for chunk in response.iter_bytes():  # as received: a cut keeps every byte that arrived
-                        out.write(chunk)
-                        if counted:
-                            self.count(len(chunk))
-        got = partial.stat().st_size
-        if size is not None and got != size:
-            raise _TransferIncomplete(f"{name}: received {got} of {size} bytes")
-        os.replace(partial, blob)
+                        self.count(len(chunk))
 
     def count(self, delta: int) -> None:
         self.done += delta

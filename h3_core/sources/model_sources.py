@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CheckpointError, H3Error
-from .hub import DEFAULT_TEXT_ENCODER_LAYER, download_partition
+from .hub import DEFAULT_TEXT_ENCODER_LAYER, download_partition, text_encoder_layer
 
 PARTITIONS = ("fl2va", "ref2va")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -49,17 +49,6 @@ def _minimax_block(folder: Path) -> dict:
         raise CheckpointError(f"{index}: cannot read JSON ({exc}).", path=index) from None
     block = data.get("_minimax_h3") if isinstance(data, dict) else None
     return block if isinstance(block, dict) else {}
-
-
-def _text_encoder_layer(block: dict, index: Path) -> int:
-    """The hidden layer H3 reads text features from (`_minimax_h3.text_encoder_layer`): a whole number >= 1, refused
-    otherwise rather than cast (int(1.7) would silently read another layer than the file names)."""
-    value = block.get("text_encoder_layer", DEFAULT_TEXT_ENCODER_LAYER)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointError(f"{index}: _minimax_h3.text_encoder_layer must be a whole number of layers >= 1 (the "
-                              f"released model uses {DEFAULT_TEXT_ENCODER_LAYER}), got {value!r}. Fix the file, or "
-                              "download model_index.json again.", path=index, key="text_encoder_layer")
-    return value
 
 
 def _first_existing(folder: Path, names) -> Path | None:
@@ -115,7 +104,7 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
         raise CheckpointError(f"{path}: a single file holds one component; give the folder of the whole model (or "
                               "pass the component files separately).", path=path)
     block = _minimax_block(path)
-    layer = _text_encoder_layer(block, path / "model_index.json")
+    layer = text_encoder_layer(block, path / "model_index.json")
     transformer_name = "transformer" if partition == "fl2va" else "transformer_ref"
     if (path / "vae").is_dir() and (path / "audio_vae").is_dir() and (path / transformer_name).is_dir():
         return ModelSources(path / transformer_name, path / "text_encoder", path / "vae", path / "audio_vae",
