@@ -57,6 +57,8 @@ def open_keyframe(path, what: str = "keyframe image"):
     is larger than PIL's decompression-bomb limit. `what` names the image in the messages."""
     from PIL import Image
 
+    if Path(path).is_dir():
+        raise H3Error(f"{path}: is a folder; give the {what} file inside it.")
     if not Path(path).is_file():
         raise H3Error(f"{path}: no such {what} file.")
     try:
@@ -132,6 +134,8 @@ def check_image_file(path, name: str) -> Path:
     from PIL import Image
 
     path = Path(path)
+    if path.is_dir():
+        raise H3Error(f"{name} {path}: is a folder; give an image file inside it.")
     if not path.is_file():
         raise H3Error(f"{name} {path}: no such image file.")
     try:

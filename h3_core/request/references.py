@@ -38,6 +38,11 @@ REFERENCE_IMAGE_SHORT_EDGE = 2048
 REFERENCE_IMAGE_SIZES = ("reference", "max", "match")
 # The text encoder reads a video reference at 2 fps, frames merged in pairs.
 VIDEO_SAMPLE_FPS = 2.0
+# Reference audio rates read (then resampled to 32 kHz): from telephone audio (8 kHz, the lowest rate in common use)
+# to 384 kHz (the highest of today's converters and hi-res PCM). Outside, the header is corrupt or the data is not
+# audio: 1 Hz resampled to 32 kHz gave no samples (a traceback), 1 GHz would decode 10^9 samples a second.
+MIN_AUDIO_RATE = 8_000
+MAX_AUDIO_RATE = 384_000
 
 
 @dataclass
@@ -207,15 +212,28 @@ def resample_audio(waveform: torch.Tensor, sample_rate: int, label: str) -> torc
                                        layout=layout)
     frame.sample_rate = int(sample_rate)
     chunks = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
+    if not chunks:  # shorter than the resampler's filter: it gives nothing
+        raise H3Error(f"{label}: the audio is {waveform.shape[1]} samples ({waveform.shape[1] / sample_rate * 1000:.2g} "
+                      f"ms) at {sample_rate:,} Hz, too short to resample to {AUDIO_SAMPLE_RATE:,} Hz; give a longer "
+                      "clip (a reference is normally seconds long).")
     return torch.from_numpy(np.concatenate(chunks, axis=-1).astype(np.float32))
+
+
+def check_sample_rate(sample_rate, label: str) -> int:
+    """A reference's sample rate as an int, from MIN_AUDIO_RATE to MAX_AUDIO_RATE Hz (a file's header or an
+    argument: the readers check it before decoding)."""
+    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate < 1:
+        raise H3Error(f"{label}: the sample rate must be a positive whole number of Hz, got {sample_rate!r}.")
+    if not MIN_AUDIO_RATE <= sample_rate <= MAX_AUDIO_RATE:
+        raise H3Error(f"{label}: the audio is at {int(sample_rate):,} Hz; H3 reads audio at {MIN_AUDIO_RATE:,} to "
+                      f"{MAX_AUDIO_RATE:,} Hz, resampled to {AUDIO_SAMPLE_RATE:,} Hz. Check that it is audio, and "
+                      f"resample it to {AUDIO_SAMPLE_RATE} Hz first (ffmpeg -i IN -ar {AUDIO_SAMPLE_RATE} OUT.wav).")
+    return int(sample_rate)
 
 
 def normalise_audio(waveform, sample_rate, label: str, max_seconds: float) -> torch.Tensor:
     """Stereo float32 [2, N] at 32 kHz, cut to `max_seconds` (at the source rate, before resampling)."""
-    if sample_rate is None:
-        sample_rate = AUDIO_SAMPLE_RATE
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate < 1:
-        raise H3Error(f"{label}: the sample rate must be a positive whole number of Hz, got {sample_rate!r}.")
+    sample_rate = check_sample_rate(AUDIO_SAMPLE_RATE if sample_rate is None else sample_rate, label)
     if isinstance(waveform, np.ndarray):
         waveform = torch.from_numpy(waveform)
     if not isinstance(waveform, torch.Tensor) or not waveform.is_floating_point():
@@ -227,7 +245,8 @@ def normalise_audio(waveform, sample_rate, label: str, max_seconds: float) -> to
         waveform = waveform[None]
     if waveform.ndim != 2 or waveform.shape[0] not in (1, 2):
         raise H3Error(f"{label}: audio must be mono or stereo [channels, samples], got shape "
-                      f"{tuple(waveform.shape)}.")
+                      f"{tuple(waveform.shape)}. Mix more channels down to stereo first (a tensor does not say "
+                      "which is left and which right).")
     if waveform.shape[1] == 0:
         raise H3Error(f"{label}: the audio has no samples.")
     waveform = waveform.detach().cpu().to(torch.float32)
