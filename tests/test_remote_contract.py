@@ -115,15 +115,174 @@ def test_the_backoff_doubles_and_is_capped():
     assert [client._delay(n) for n in range(1, 8)] == [1, 2, 4, 8, 16, 30, 30]
 
 
-def test_an_unreachable_server_is_retried_then_one_message():
+def test_a_refused_connection_fails_at_once_naming_the_address():
+    """Part of issue 28: nothing listens there, so no attempt can succeed; before, it was retried (five times and 15 s
+    of backoff by default) and ended 'failed 5 time(s), last: Connection refused'."""
     waits = []
     with VideosApiServer() as server:
-        url = server.url
+        url, port = server.url, server.url.rsplit(":", 1)[1]
     client = VideosClient(url, attempts=3, backoff=0.5, wait=waits.append)  # the port is closed now
+    started = time.monotonic()
     with pytest.raises(RemoteError) as caught:
         client.get_json("/v1/models")
+    assert time.monotonic() - started < 2 and waits == []
+    assert str(caught.value) == (f"GET {url}/v1/models: the connection to 127.0.0.1:{port} was refused: is the "
+                                 "server running? Nothing listens on that port; start the server (sglang serve ... "
+                                 "--port), or check the address and port.")
+
+
+def test_a_dropped_connection_is_still_retried():
+    waits = []
+    with VideosApiServer(Behaviour(resets=2)) as server:
+        client = VideosClient(server.url, attempts=3, backoff=0.5, wait=waits.append)
+        assert client.get_json("/v1/models")["data"][0]["owned_by"] == "sglang"
     assert waits == [0.5, 1.0]
-    assert str(caught.value).startswith(f"GET {url}/v1/models failed 3 time(s), last: Connection refused.")
+
+
+def test_an_unknown_host_fails_at_once(monkeypatch):
+    import socket
+
+    def no_such_host(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)  # no resolver is asked: no network in tests
+    waits = []
+    client = VideosClient("http://gpu-bxo:30010", attempts=3, wait=waits.append)
+    with pytest.raises(RemoteError) as caught:
+        client.get_json("/v1/models")
+    assert waits == [] and str(caught.value) == ("GET http://gpu-bxo:30010/v1/models: no host named 'gpu-bxo' is "
+                                                 "known here (Name or service not known); check the address.")
+
+
+def test_https_to_a_plain_http_server_fails_at_once_saying_use_http():
+    """Before: the TLS 'wrong version number' was retried five times like a dropped connection."""
+    waits = []
+    with VideosApiServer() as server:
+        address = server.url.removeprefix("http://")
+        client = VideosClient(f"https://{address}", attempts=3, wait=waits.append)
+        with pytest.raises(RemoteError) as caught:
+            client.get_json("/v1/models")
+        assert server.seen == []  # the TLS hello was no request
+    assert waits == [] and str(caught.value) == (f"GET https://{address}/v1/models: the server at {address} speaks "
+                                                 f"plain HTTP, not TLS; use http://{address} instead of https://.")
+
+
+def test_a_certificate_this_machine_does_not_trust_fails_at_once(tmp_path):
+    import datetime
+    import ssl
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                         serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+
+    class Quiet(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    server.handle_error = lambda request, address: None  # the refused handshake
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    waits = []
+    try:
+        url = f"https://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(RemoteError) as caught:
+            VideosClient(url, attempts=3, wait=waits.append).get_json("/v1/models")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert waits == [] and str(caught.value) == (
+        f"GET {url}/v1/models: the server's TLS certificate is not trusted (self-signed certificate). Give it a "
+        "certificate this machine trusts, or point SSL_CERT_FILE at the CA bundle that signed it.")
+
+
+def test_a_json_answer_announcing_5_gb_is_refused_before_reading_it():
+    """Before: read as it came (here the server closes after 1 MiB: 'cut short', retried three times)."""
+    behaviour = Behaviour(models_answer=(b"{" + b" " * (1 << 20), 5 * 10**9))
+    with VideosApiServer(behaviour) as server:
+        started = time.monotonic()
+        with pytest.raises(RemoteError) as caught:
+            engine(server).generate("x", **REQUEST)
+        assert len(server.requests("GET", "/v1/models$")) == 1 and time.monotonic() - started < 2
+    assert str(caught.value) == (f"GET {server.url}/v1/models announces 5,000,000,000 bytes where a JSON answer of a "
+                                 "few KB is expected (at most 16,777,216 are read); is this an H3 videos server "
+                                 "(SGLang / vLLM-Omni)?")
+
+
+def test_a_json_answer_without_a_length_is_read_up_to_the_limit_only(monkeypatch):
+    from h3_core.remote import videos_client
+
+    monkeypatch.setattr(videos_client, "MAX_JSON_BYTES", 1 << 20)
+    card = json.dumps({"object": "list", "data": [{"id": "MiniMaxAI/MiniMax-H3", "owned_by": "sglang",
+                                                   "pad": "x" * (3 << 20)}]}).encode()
+    with VideosApiServer(Behaviour(models_answer=(card, None))) as server:
+        with pytest.raises(RemoteError) as caught:
+            VideosClient(server.url, attempts=1).get_json("/v1/models")
+    assert str(caught.value) == (f"GET {server.url}/v1/models sent over 1,048,577 bytes where a JSON answer of a few "
+                                 "KB is expected (at most 1,048,576 are read); is this an H3 videos server (SGLang / "
+                                 "vLLM-Omni)?")
+
+
+def test_a_video_its_folder_has_no_room_for_is_refused_before_the_first_byte(work_dir, monkeypatch):
+    import shutil
+
+    from h3_core.remote import videos_client
+
+    real = shutil.disk_usage
+    monkeypatch.setattr(videos_client.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
+    with VideosApiServer() as server:
+        with pytest.raises(RemoteError) as caught:
+            engine(server, work_dir=work_dir).generate("x", **REQUEST)
+        size = len(server.behaviour.mp4)
+    assert str(caught.value).startswith(f"GET {server.url}/v1/videos/video_1/content announces {size / 2**30:.2f} GiB "
+                                        "but only 0.00 GiB is free in ")
+    assert str(caught.value).endswith("; free some space there, or give another work_dir (TMPDIR).")
+    assert list(work_dir.iterdir()) == []
+
+
+def test_a_stored_results_signed_query_never_reaches_a_message():
+    """A pre-signed storage URL carries its signature (and access key id) in the query: messages show it as '?...'.
+    """
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Refusing(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(403)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    storage = ThreadingHTTPServer(("localhost", 0), Refusing)
+    threading.Thread(target=storage.serve_forever, daemon=True).start()
+    secret = "X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=0123abcd"
+    try:
+        url = f"http://localhost:{storage.server_address[1]}/bucket/video_1.mp4?{secret}"
+        with VideosApiServer(Behaviour(result_url=url, polls_until_done=0)) as server:
+            with pytest.raises(RemoteError) as caught:
+                engine(server).generate("x", **REQUEST)
+    finally:
+        storage.shutdown()
+        storage.server_close()
+    assert "AKIAEXAMPLE" not in str(caught.value) and "0123abcd" not in str(caught.value)
+    assert str(caught.value).startswith(f"the server refused GET http://localhost:{storage.server_address[1]}"
+                                        "/bucket/video_1.mp4?... (HTTP 403)")
 
 
 def test_a_failed_job_says_what_the_server_said_and_is_not_cancelled():
@@ -417,3 +576,15 @@ def test_a_bad_server_flag_is_one_line_with_exit_code_2(server, message, run_cli
     assert done.returncode == 2 and done.stderr.startswith(message) and done.stderr.count("\n") == 1
     assert "secret" not in done.stderr
 
+
+
+def test_the_cli_says_a_refused_connection_in_one_line_at_once(run_cli, tmp_path):
+    with VideosApiServer() as server:
+        url, port = server.url, server.url.rsplit(":", 1)[1]
+    started = time.monotonic()
+    done = run_cli(["generate", "x", "--server", url, *CLI_REQUEST, "--out", "x.mp4"], tmp_path)
+    assert time.monotonic() - started < 5  # before: 15 s of backoff (1 + 2 + 4 + 8), then the error
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"error: GET {url}/v1/models: the connection to 127.0.0.1:{port} was refused: is the server running? Nothing "
+        "listens on that port; start the server (sglang serve ... --port), or check the address and port.")
+    assert [line for line in done.stderr.splitlines() if line.startswith("error:")] == [done.stderr.splitlines()[-1]]

@@ -14,6 +14,9 @@ import functools
 import io
 import json
 import re
+import socket
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +79,12 @@ def make_mp4(num_frames: int = FRAMES, width: int = WIDTH, height: int = HEIGHT,
     return buffer.getvalue()
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):  # a reset connection makes the handler's last flush fail
+        if not isinstance(sys.exc_info()[1], (OSError, ValueError)):
+            super().handle_error(request, client_address)
+
+
 @dataclass
 class Seen:
     method: str
@@ -101,6 +110,9 @@ class Behaviour:
     drip_seconds: float = 0.0  # JSON answers are sent one byte every this many seconds
     result_url: str | None = None  # the completed job carries this `url` and /content refuses, as SGLang's does
     #                                with cloud storage
+    models_answer: tuple | None = None  # (body bytes, Content-Length or None) for GET /v1/models: a body longer
+    #                                     than it says, or one without a length, ended by closing the connection
+    resets: int = 0  # this many requests are answered by a TCP reset (a dropped connection)
 
 
 class VideosApiServer:
@@ -112,7 +124,7 @@ class VideosApiServer:
         self.jobs: dict[str, dict] = {}
         self.deleted: list[str] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = _Server(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -171,6 +183,26 @@ class VideosApiServer:
                 with server._lock:
                     server.seen.append(Seen(method, self.path, dict(self.headers), body))
                 b = server.behaviour
+                if b.resets:
+                    b.resets -= 1
+                    self.close_connection = True
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.connection.close()
+                    return None
+                if method == "GET" and self.path == "/v1/models" and b.models_answer is not None:
+                    data, length = b.models_answer
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    if length is not None:
+                        self.send_header("Content-Length", str(length))
+                    self.end_headers()
+                    try:
+                        self.wfile.write(data)
+                        self.wfile.flush()
+                    except OSError:  # the client stopped reading
+                        pass
+                    self.close_connection = True
+                    return None
                 if b.required_key and self.headers.get("Authorization") != f"Bearer {b.required_key}":
                     # Echoes what it received, as a careless server might: the client must not repeat it.
                     return self._send(401, {"detail": f"bad credentials: {self.headers.get('Authorization')}"})

@@ -1,12 +1,17 @@
 """VideosClient: HTTP to one videos-API server (standard library only), with timeouts, capped exponential backoff on
-connection errors and 5xx answers (never on 4xx), checked downloads, and an API key that never reaches a message.
+what can recover (dropped connections, timeouts, 429 and 5xx answers; never 4xx, a refused connection, an unknown
+host or a TLS mismatch), bounded answers, downloads streamed to disk, and an API key that never reaches a message.
 """
 
 from __future__ import annotations
 
+import errno
 import http.client
 import json
+import os
+import shutil
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.parse
@@ -23,6 +28,14 @@ ANSWER_SECONDS = 120.0
 DOWNLOAD_SECONDS = 3600.0
 # The longest Retry-After honoured (a longer one is waited this long, then the attempt is made).
 RETRY_AFTER_CAP = 120.0
+# The largest JSON answer read (job objects and model cards are a few KB): a longer one is refused from its
+# Content-Length before any byte, or after MAX_JSON_BYTES + 1 bytes without one. Error bodies are read up to
+# ERROR_BODY_BYTES (only their message is shown).
+MAX_JSON_BYTES = 16 << 20
+ERROR_BODY_BYTES = 64 << 10
+# OpenSSL's reasons when an https:// client meets a server that speaks plain HTTP (it reads "HTTP/1.x" as a record).
+PLAIN_HTTP_REASONS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "UNKNOWN_PROTOCOL", "PACKET_LENGTH_TOO_LONG",
+                      "HTTP_REQUEST")
 
 
 def check_server_url(url, name: str = "server URL") -> str:
@@ -60,6 +73,15 @@ def _reason(exc: BaseException) -> str:
 TRANSIENT = (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, http.client.HTTPException, OSError)
 
 
+def shown_url(url: str) -> str:
+    """A URL as messages show it: without its query (a stored result's pre-signed address carries its signature and
+    access key id there) or any user:password."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")) + ("?..." if parts.query else "")
+
+
 def _origin(url: str) -> tuple[str, str]:
     parts = urllib.parse.urlsplit(url)
     return parts.scheme.lower(), parts.netloc.lower()
@@ -78,17 +100,40 @@ class CredentialsStayHome(urllib.request.HTTPRedirectHandler):
         return new
 
 
-def _read_within(response, seconds: float) -> bytes:
-    """The whole body, or TimeoutError once it has taken `seconds` (each read has the socket's own timeout)."""
+def _announced_length(response) -> int | None:
+    length = (response.headers.get("Content-Length") or "").strip() if response.headers else ""
+    return int(length) if length.isdigit() else None
+
+
+def _read_within(response, seconds: float, limit: int | None = None) -> bytes:
+    """The whole body, or TimeoutError once it has taken `seconds` (each read has the socket's own timeout). With
+    `limit`, a body longer than `limit` bytes raises _TooLong: from its Content-Length before any byte is read,
+    otherwise after `limit + 1` bytes."""
+    if limit is not None:
+        announced = _announced_length(response)
+        if announced is not None and announced > limit:
+            raise _TooLong(announced, limit, announced=True)
     deadline = time.monotonic() + seconds
-    chunks = []
+    chunks, got = [], 0
     while True:
-        chunk = response.read1(1 << 16) if hasattr(response, "read1") else response.read(1 << 16)
+        size = 1 << 16 if limit is None else min(1 << 16, limit + 1 - got)
+        chunk = response.read1(size) if hasattr(response, "read1") else response.read(size)
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+        got += len(chunk)
+        if limit is not None and got > limit:
+            raise _TooLong(got, limit, announced=False)
         if time.monotonic() > deadline:
             raise TimeoutError(f"the answer took over {seconds:g} s")
+
+
+def _read_capped(response, limit: int) -> bytes:
+    """At most `limit` bytes of a body (an error answer: only its message is wanted); b"" when it cannot be read."""
+    try:
+        return response.read(limit) or b""
+    except (OSError, http.client.HTTPException):
+        return b""
 
 
 def _retry_after(value) -> float:
@@ -118,6 +163,32 @@ class _Truncated(Exception):
     def __init__(self, got: int, expected: int):
         super().__init__(f"got {got} of {expected} bytes")
         self.got, self.expected = got, expected
+
+
+class _TooLong(Exception):
+    def __init__(self, size: int, limit: int, announced: bool):
+        super().__init__(f"{size} bytes")
+        self.size, self.limit, self.announced = size, limit, announced
+
+
+def _unrecoverable(exc: BaseException, target: str) -> str | None:
+    """What to tell the user when `exc` (opening `target`) cannot be mended by another attempt; None when it may
+    (a reset, a timeout, a 5xx)."""
+    reason = getattr(exc, "reason", None)
+    cause = reason if isinstance(reason, BaseException) else exc
+    parts = urllib.parse.urlsplit(target)
+    address = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    if isinstance(cause, ConnectionRefusedError) or getattr(cause, "errno", None) == errno.ECONNREFUSED:
+        return (f"the connection to {address} was refused: is the server running? Nothing listens on that port; "
+                "start the server (sglang serve ... --port), or check the address and port.")
+    if isinstance(cause, socket.gaierror) and cause.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", None)):
+        return f"no host named {parts.hostname!r} is known here ({cause.strerror}); check the address."
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return (f"the server's TLS certificate is not trusted ({cause.verify_message or cause.reason}). Give it a "
+                "certificate this machine trusts, or point SSL_CERT_FILE at the CA bundle that signed it.")
+    if isinstance(cause, ssl.SSLError) and str(cause.reason).upper() in PLAIN_HTTP_REASONS:
+        return f"the server at {address} speaks plain HTTP, not TLS; use http://{parts.netloc} instead of https://."
+    return None
 
 
 class VideosClient:
@@ -174,10 +245,12 @@ class VideosClient:
 
     def _with_retries(self, method: str, path: str, call, attempts: int | None = None, where: str | None = None):
         """Run `call()` (which opens and reads one response) until it succeeds, a 4xx comes back, or the attempts
-        are spent; connection errors, timeouts, truncated bodies, 429 and 5xx are retried after a backoff (at least
-        the server's Retry-After, up to RETRY_AFTER_CAP)."""
+        are spent; dropped connections, timeouts, truncated bodies, 429 and 5xx are retried after a backoff (at
+        least the server's Retry-After, up to RETRY_AFTER_CAP). A refused connection, an unknown host and a TLS
+        mismatch fail at once (`_unrecoverable`)."""
         attempts = attempts or self.attempts
-        where = f"{method} {where or self.base_url + path}"
+        target = where or self.base_url + path
+        where = f"{method} {shown_url(target)}"
         last = ""
         status = None
         for attempt in range(1, attempts + 1):
@@ -185,7 +258,7 @@ class VideosClient:
             try:
                 return call()
             except urllib.error.HTTPError as exc:
-                raw = exc.read() or b""
+                raw = _read_capped(exc, ERROR_BODY_BYTES)
                 message = protocol.error_body_message(raw) or exc.reason or ""
                 if exc.code < 500 and exc.code != 429:  # 429: too many requests, come back later
                     raise self._error(f"the server refused {where} (HTTP {exc.code}): {message}", exc.code,
@@ -195,6 +268,9 @@ class VideosClient:
             except _Truncated as exc:
                 last = f"the response was cut short ({exc})"
             except TRANSIENT as exc:
+                final = _unrecoverable(exc, target)
+                if final is not None:
+                    raise self._error(f"{where}: {final}") from None
                 last = _reason(exc)
             if attempt < attempts:
                 self.wait(max(self._delay(attempt), min(retry_after, RETRY_AFTER_CAP)))
@@ -216,7 +292,7 @@ class VideosClient:
         and a 409 (vLLM-Omni: the abort is under way) are fine."""
         def call():
             with self._request("DELETE", path, None, self.timeout) as response:
-                response.read()
+                _read_capped(response, ERROR_BODY_BYTES)  # the answer is not used
         try:
             self._with_retries("DELETE", path, call, attempts)
         except RemoteError as exc:
@@ -226,7 +302,13 @@ class VideosClient:
     def _json(self, method: str, path: str, body, attempts) -> dict:
         def call():
             with self._request(method, path, body, self.timeout) as response:
-                raw = _read_within(response, self.answer_timeout)
+                try:
+                    raw = _read_within(response, self.answer_timeout, MAX_JSON_BYTES)
+                except _TooLong as exc:
+                    said = "announces" if exc.announced else "sent over"
+                    raise self._error(f"{method} {self.base_url}{path} {said} {exc.size:,} bytes where a JSON answer "
+                                      f"of a few KB is expected (at most {exc.limit:,} are read); is this an H3 "
+                                      "videos server (SGLang / vLLM-Omni)?") from None
             try:
                 parsed = json.loads(raw.decode("utf-8"))
             except (UnicodeDecodeError, ValueError):
@@ -251,8 +333,8 @@ class VideosClient:
             destination.seek(0)
             destination.truncate()
             with self._request("GET", path, None, self.timeout, url=url) as response:
-                length = response.headers.get("Content-Length")
-                expected = int(length) if length and length.isdigit() else None
+                expected = _announced_length(response)
+                self._check_room(expected, destination, shown_url(url or self.base_url + path))
                 got = 0
                 deadline = time.monotonic() + self.download_timeout
                 while True:
@@ -271,10 +353,22 @@ class VideosClient:
             if expected is not None and got != expected:
                 raise _Truncated(got, expected)
             if got == 0:
-                raise self._error(f"GET {url or self.base_url + path} answered an empty body instead of the video.")
+                raise self._error(f"GET {shown_url(url or self.base_url + path)} answered an empty body instead of "
+                                  "the video.")
             destination.flush()
             return got
         return self._with_retries("GET", path, call, where=url)
+
+    def _check_room(self, announced: int | None, destination, source: str) -> None:
+        """Refuse a download its folder has no room for, from its Content-Length, before any byte is written."""
+        name = getattr(destination, "name", None)
+        if announced is None or not isinstance(name, (str, bytes, os.PathLike)):
+            return
+        folder = os.path.dirname(os.path.abspath(name))
+        free = shutil.disk_usage(folder).free
+        if announced > free:
+            raise self._error(f"GET {source} announces {announced / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
+                              f"is free in {folder}; free some space there, or give another work_dir (TMPDIR).")
 
 
 class Multipart:
