@@ -22,7 +22,7 @@ from ..request.generation_result import GenerationResult
 from ..request.grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
 from ..request.media_files import read_mp4
 from . import protocol, serving_rules, sglang_api, vllm_omni_api
-from .videos_client import ANSWER_SECONDS, DOWNLOAD_SECONDS, VideosClient
+from .videos_client import ANSWER_SECONDS, DOWNLOAD_SECONDS, VideosClient, shown_url
 
 # The engines h3-stream speaks, by the `owned_by` of their model card (and the `backend` option's names).
 APIS = {"sglang": sglang_api, "vllm-omni": vllm_omni_api}
@@ -197,7 +197,7 @@ class RemoteEngine:
                 stored = protocol.job_url(job)
                 with open(path, "wb") as file:
                     if stored:
-                        self.log(f"the server stored the video at {self.client.redact(stored)}; downloading it")
+                        self.log(f"the server stored the video at {shown_url(self.client.redact(stored))}; downloading it")
                         size = self.client.download_url(stored, file, check=self._check)
                     else:
                         size = self.client.download(protocol.content_path(video_id), file, check=self._check)
