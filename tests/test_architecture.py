@@ -30,7 +30,8 @@ LAYERS = {
     "remote": ("base", "request"),
     "app": ("base", "runtime", "models", "checkpoints", "request", "sources", "planning", "pipeline", "remote"),
 }
-BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values", "h3_core.settings"}
+BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values", "h3_core.settings",
+                "h3_core.staged_files"}
 FACADE = {"h3_core", "h3_core.__main__"}
 PLATFORM_MODULE = "h3_core.runtime.platform"
 

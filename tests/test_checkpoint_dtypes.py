@@ -100,6 +100,21 @@ def test_a_transformer_with_one_fp16_tensor_generates_at_the_default_dtype(tiny,
     assert (tmp_path / "o.mp4").stat().st_size > 0
 
 
+def test_an_fp32_island_saved_in_bf16_beside_its_fp32_bias_is_computed_in_float32(tiny, tmp_path):
+    # Before: at dtype=None the island's bf16 weight stayed bf16 beside its fp32 bias and the first forward failed.
+    path, target, load, _ = _tiny_copy(tiny, tmp_path, "transformer")
+    state = load_file(path)
+    islands = ["video_patch_proj.weight", "time_embedder.proj_in.weight"]
+    for key in islands:
+        state[key] = state[key].bfloat16()
+    save_file(state, path)
+    model = load(target)
+    parameters = dict(model.named_parameters())
+    for key in islands:
+        assert parameters[key].dtype == torch.float32 and torch.equal(parameters[key], state[key].float())
+    assert {p.dtype for p in parameters.values() if p.numel()} == {torch.float32}
+
+
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn, torch.bool, "bf16", 16],
                          ids=["int8", "fp8", "bool", "string", "int"])
 @pytest.mark.parametrize("component", ["transformer", "text_encoder"])

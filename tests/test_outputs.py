@@ -292,3 +292,21 @@ def test_cli_regenerates_a_damaged_tiny_model(tiny, run_cli, monkeypatch, tmp_pa
             "tokenizer.json is missing); regenerating it\n") in done.stdout
     assert "Download it again" not in done.stdout + done.stderr
     assert (root / TINY_VERSION / "text_encoders" / "qwen3vl_tiny_minimax_h3" / "tokenizer.json").is_file()
+
+
+def limit_file_size_only():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536))
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # as a shell starts it (a kill), whatever this process inherited
+
+
+def test_the_real_cli_past_the_file_size_limit_is_one_line_not_a_kill(tiny, tmp_path):
+    # Python ignores SIGXFSZ at start-up, so the write fails with EFBIG and quantize reports it (before: an OSError
+    # traceback). quantize's output (0.3 MiB) passes the 64 KiB limit.
+    source = tiny / "diffusion_models" / "minimax_h3_tiny_fl2va_fp32.safetensors"
+    done = subprocess.run([sys.executable, "-m", "h3_core", "quantize", str(source), "q.gguf", "--format", "q8_0"],
+                          cwd=tmp_path, env=child_env(tiny), capture_output=True, text=True, timeout=300,
+                          preexec_fn=limit_file_size_only)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert done.stderr.startswith("error: q.gguf: could not write the quantised file: ") and \
+        "past the process's file-size limit (ulimit -f). Nothing was written." in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and folder_names(tmp_path) == []

@@ -270,14 +270,15 @@ def is_fp32_island(name: str) -> bool:
 
 def target_dtype(name: str, stored: torch.dtype, dtype: torch.dtype | None,
                  main: torch.dtype | None = None) -> torch.dtype:
-    """dtype=None keeps the checkpoint's dtypes: the fp32 islands as stored, the rest in the file's `main` dtype
-    (`Checkpoint.main_dtype`; only a tensor stored otherwise is cast; None: every tensor as stored); a dtype casts
-    everything but the islands."""
-    if name == "rope.inv_freq" or (dtype is not None and is_fp32_island(name)):
+    """The fp32 islands are float32 whatever is stored or asked (a repack that saved one's weight in bf16 beside an
+    fp32 bias failed the first forward); dtype=None keeps the rest in the file's `main` dtype
+    (`Checkpoint.main_dtype`: only a tensor stored otherwise is cast; main None: every tensor as stored); a dtype
+    casts everything but the islands."""
+    if name == "rope.inv_freq" or is_fp32_island(name):
         return torch.float32
     if dtype is not None:
         return dtype
-    return stored if main is None or is_fp32_island(name) else main
+    return stored if main is None else main
 
 
 # With layerwise residency: streamed per block (`blocks.N.`), or materialised only for the text phase.

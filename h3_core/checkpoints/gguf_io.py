@@ -4,7 +4,9 @@
 their file segment, so streamed reads `pread` them). Tensor names are the state-dict keys, as ComfyUI-GGUF writes
 them; shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
 ggml type is quantised: `tensor(key)` is its raw blocks (uint8, one row of blocks per logical row) and
-`quantised.QuantisedWeight` dequantises them with gguf's `dequantize`.
+`quantised.QuantisedWeight` dequantises them with gguf's `dequantize`. Each tensor's size, from its type and shape,
+is checked against the space the data section gives it (`_check_layout`), so a wrong type or shape field is refused
+instead of reading a neighbour's bytes.
 """
 
 from __future__ import annotations
@@ -50,14 +52,12 @@ class GGUFFile:
                 self.metadata["general.architecture"] = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
             except (IndexError, TypeError):
                 pass
+        self._check_layout(reader)
         # key -> (dtype, torch shape, byte offset, nbytes, ggml type or None, stored (byte) shape, type name)
         self._entries: dict[str, tuple] = {}
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             ggml_type = types(int(t.tensor_type))
-            if t.data_offset + t.n_bytes > self.file_size:
-                raise CheckpointError(f"{self.path}: tensor '{t.name}' ends past the end of the file; the file is "
-                                      "truncated. Download it again.", path=self.path, key=t.name)
             if ggml_type in plain:
                 self._entries[t.name] = (plain[ggml_type], shape, t.data_offset, int(t.n_bytes), None, shape,
                                          ggml_type.name)
@@ -67,6 +67,36 @@ class GGUFFile:
                                          ggml_type.name)
         del reader  # its NumPy map closes with it; tensors are mapped by torch below
         self._storage: torch.UntypedStorage | None = None
+
+    def _check_layout(self, reader) -> None:
+        """Each tensor's bytes, as its type and shape size them (`n_bytes`), against where the data section puts it:
+        at an aligned offset, ending before the next tensor (or the end of the file) with at most the alignment's
+        padding after it, as GGUF writers lay the tensors out. A type or shape field that does not match the data
+        would otherwise read a neighbour's bytes, or only part of its own, without a word."""
+        alignment = int(reader.alignment)
+        spans = sorted(reader.tensors, key=lambda t: int(t.data_offset))
+        for t, following in zip(spans, spans[1:] + [None]):
+            offset, nbytes = int(t.data_offset), int(t.n_bytes)
+            described = (f"tensor '{t.name}' is GGUF type {t.tensor_type.name} with shape "
+                         f"{[int(d) for d in reversed(t.shape.tolist())]}, {nbytes} bytes at offset {offset},")
+            if offset + nbytes > self.file_size:
+                raise CheckpointError(f"{self.path}: {described} past the end of the file ({self.file_size} bytes); "
+                                      "the file is truncated. Download it again.", path=self.path, key=t.name)
+            if (offset - int(reader.data_offset)) % alignment:
+                problem = (f"not at a multiple of the file's {alignment}-byte alignment: its offset field is "
+                           "wrong")
+            else:
+                end = int(following.data_offset) if following is not None else self.file_size
+                room = end - offset
+                if nbytes <= room < nbytes + alignment:
+                    continue
+                upto = (f"the next tensor, '{following.name}', starts" if following is not None else
+                        "the file ends")
+                problem = (f"but {upto} {room} bytes after its offset" + (
+                           "" if room < nbytes else f", more than the {alignment}-byte alignment pads") +
+                           ": its type or shape field does not match its data")
+            raise CheckpointError(f"{self.path}: {described} {problem}; the file is corrupt. Download it again.",
+                                  path=self.path, key=t.name)
 
     def keys(self) -> list[str]:
         return list(self._entries)

@@ -9,8 +9,10 @@ written and dropped: the process never holds more than one parameter of the mode
 * `q8_0`: GGUF Q8_0 (ComfyUI-GGUF's names: the state-dict keys), a `.gguf`.
 
 Quantised are the 2-D matrices of the transformer blocks and of the text refiner, by comfy-kitchen's and gguf's own
-quantisers; every other tensor (norms, biases, the fp32 islands) is written as stored. The file is written under a
-temporary name and renamed when complete, so an interrupted run leaves no partial file at DST.
+quantisers; every other tensor (norms, biases, the fp32 islands) is written as stored, so the file runs at the
+loader's default dtype whatever the source's (fp32, fp16 or bf16). The file is written under a hidden staging name
+in DST's folder (`.NAME.PID.partial`, as generate's outputs), synced to disk and renamed over DST when complete: a
+failed or interrupted run leaves no partial file and the file already at DST untouched; a complete one replaces it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from contextlib import closing
 from pathlib import Path
 from typing import Callable
@@ -25,10 +28,11 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError, H3Error
+from ..staged_files import remove_dead_staging, staging_path, write_failure
 from ..runtime.file_reads import FileReader
 from ..models.dit import RotaryEmbedding3D
 from .dit_loader import COMFY_PREFIX, _expected_tensors, resolve_dit_checkpoint, target_dtype
-from .quantised import gguf_package, kitchen_eager
+from .quantised import LARGEST_WEIGHT, gguf_package, kitchen_eager
 
 QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf"}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -43,6 +47,8 @@ def _quantised(name: str, shape: tuple[int, ...], fmt: str) -> bool:
 
 
 def _check_paths(source: Path, target: Path, fmt: str) -> None:
+    """Everything about the arguments that can be known before reading: the format, the target's suffix, and that
+    its folder exists and can be written (a file is created and removed there)."""
     if fmt not in QUANTISE_FORMATS:
         raise H3Error(f"format={fmt!r} is not a quantisation h3-stream writes; use one of "
                       f"{', '.join(QUANTISE_FORMATS)}.")
@@ -53,12 +59,62 @@ def _check_paths(source: Path, target: Path, fmt: str) -> None:
         raise H3Error(f"{target}: the folder {target.parent} does not exist; create it first.")
     if target.exists() and source.exists() and target.resolve() == source.resolve():
         raise H3Error(f"{target}: is the source itself; write the quantised file under another name.")
+    if target.is_dir() or (target.exists() and not target.is_file()):
+        raise H3Error(f"{target}: exists and is not a regular file (a folder, a device or a pipe); give a file "
+                      "name.")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".h3-write-check-", dir=target.parent)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as exc:
+        raise H3Error(f"{target}: cannot write in {target.parent} ({exc.strerror or exc}); choose a folder you can "
+                      "write.") from None
+
+
+def _write_error(target: Path, exc: OSError, written: int) -> H3Error:
+    """One message for a failed write of `written` bytes."""
+    kept = "; the file already there is unchanged" if target.exists() else ""
+    return H3Error(f"{target}: could not write the quantised file: {write_failure(exc, target.parent, written)}. "
+                   f"Nothing was written{kept}.")
+
+
+def _sync(path: Path) -> None:
+    """The file's bytes on disk before it is renamed into place (a crash then leaves the old file or the new one)."""
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _sync_folder(folder: Path) -> None:
+    """The rename itself on disk (POSIX; Windows cannot open a folder, and renames durably)."""
+    try:
+        handle = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
+
+
+def _checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A matrix about to be quantised: finite and within `LARGEST_WEIGHT` (what a quantised file may hold; its
+    loader refuses larger scales), so that a corrupt source is named here, not the file written from it."""
+    amax = float(tensor.abs().amax())  # NaN when any value is
+    if not math.isfinite(amax) or amax > LARGEST_WEIGHT:
+        what = "NaN or infinite values" if not math.isfinite(amax) else f"values up to {amax:.4g}"
+        raise CheckpointError(f"{source}: tensor '{name}' holds {what}; a trained weight is finite and far below "
+                              f"{LARGEST_WEIGHT:g}. The source checkpoint is corrupt: download it again.",
+                              path=source, key=name)
+    return tensor
 
 
 def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
                         log: Callable[[str], None] | None = None) -> Path:
-    """Write `target`, the transformer at `source` (any layout, unquantised) with its block matrices quantised as
-    `fmt` ("fp8", "int8" or "q8_0"); returns `target`. See the module docstring."""
+    """Write `target`, the transformer at `source` (any layout, unquantised, fp32, fp16 or bf16) with its block
+    matrices quantised as `fmt` ("fp8", "int8" or "q8_0"); returns `target`. A file already at `target` is replaced
+    only by a complete one. See the module docstring."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     _check_paths(source, target, fmt)
     ckpt = resolve_dit_checkpoint(source)
@@ -82,23 +138,35 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
         dtype = target_dtype(spec.name, stored, None)
         shape = tuple(shapes[spec.name])
         plan.append((spec.name, spec, shape, dtype, _quantised(spec.name, shape, fmt)))
-    partial = target.with_name(target.name + ".partial")
+    remove_dead_staging(target)
+    staging = staging_path(target)
     say = log or (lambda message: None)
     try:
         with closing(FileReader()) as reader:
-            def value(spec, dtype, shape):
+            def value(spec, dtype, shape, quantise=False):
                 if spec is None:
                     return inv_freq
-                return ckpt.recipe(spec, lambda stored: dtype, shape).private_value(reader)
+                try:
+                    tensor = ckpt.recipe(spec, lambda stored: dtype, shape).private_value(reader)
+                except OSError as exc:  # not the target's write error below
+                    raise CheckpointError(f"{source}: could not read '{spec.name}' ({exc.strerror or exc}); check "
+                                          "the disk or copy the checkpoint again.", path=source,
+                                          key=spec.name) from None
+                return _checked_for_quantising(source, spec.name, tensor) if quantise else tensor
 
             if fmt == "q8_0":
-                _write_gguf(partial, plan, value, gguf, say)
+                _write_gguf(staging, plan, value, gguf, say)
             else:
-                _write_safetensors(partial, plan, value, fmt, kitchen, say)
-        os.replace(partial, target)
-    except BaseException:
-        partial.unlink(missing_ok=True)
+                _write_safetensors(staging, plan, value, fmt, kitchen, say)
+        _sync(staging)
+        os.replace(staging, target)
+    except BaseException as exc:  # a failure, Ctrl-C or SIGTERM: no partial file, the old one untouched
+        written = staging.stat().st_size if staging.exists() else 0
+        staging.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise _write_error(target, exc, written) from None
         raise
+    _sync_folder(target.parent)
     return target
 
 
@@ -140,12 +208,14 @@ def _write_safetensors(path: Path, plan, value, fmt: str, kitchen, say) -> None:
         for key, dtype, shape, name, role in entries:
             if role in ("plain", "weight"):
                 spec, shape_, dtype_ = specs[name]
-                tensor = value(spec, dtype_, shape_)
+                tensor = value(spec, dtype_, shape_, role == "weight")
                 if role == "plain":
                     current = {"plain": tensor}
                 elif fmt == "fp8":
-                    # comfy-kitchen's own recipe (TensorCoreFP8Layout): scale = amax / 448, then its quantiser.
-                    scale = (tensor.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
+                    # comfy-kitchen's own recipe (TensorCoreFP8Layout): scale = amax / 448, then its quantiser; the
+                    # floor (comfy-kitchen's int8 one) keeps an all-zero matrix zero, not 0 / 0 = NaN.
+                    scale = (tensor.float().abs().amax() / torch.finfo(torch.float8_e4m3fn).max).clamp(
+                        min=1e-30).to(torch.float32)
                     current = {"weight": kitchen.quantize_per_tensor_fp8(tensor.float(), scale), "scale": scale}
                 else:
                     q, scale = kitchen.quantize_int8_rowwise(tensor.float())
@@ -164,11 +234,18 @@ def _write_safetensors(path: Path, plan, value, fmt: str, kitchen, say) -> None:
 
 
 def _write_gguf(path: Path, plan, value, gguf, say) -> None:
+    writer = gguf.GGUFWriter(str(path), "minimax_h3")
+    try:
+        _write_gguf_tensors(writer, plan, value, gguf, say)
+    finally:
+        writer.close()  # also on a failure: the staging file is removed after, and Windows cannot remove it open
+
+
+def _write_gguf_tensors(writer, plan, value, gguf, say) -> None:
     import numpy as np
 
     types = gguf.GGMLQuantizationType
     block, type_size = gguf.GGML_QUANT_SIZES[types.Q8_0]
-    writer = gguf.GGUFWriter(str(path), "minimax_h3")
     for name, _, shape, dtype, quantise in plan:
         if quantise:
             rows, cols = shape
@@ -183,7 +260,7 @@ def _write_gguf(path: Path, plan, value, gguf, say) -> None:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, spec, shape, dtype, quantise in plan:
-        tensor = value(spec, dtype, shape)
+        tensor = value(spec, dtype, shape, quantise)
         if quantise:
             array = gguf.quants.quantize(tensor.float().numpy(), types.Q8_0)
         elif dtype == torch.bfloat16:
@@ -193,4 +270,3 @@ def _write_gguf(path: Path, plan, value, gguf, say) -> None:
         writer.write_tensor_data(array)
         say(f"{name}: {'quantised as q8_0' if quantise else 'kept as stored'}")
         del tensor, array
-    writer.close()

@@ -9,9 +9,7 @@ write to the same path.
 
 from __future__ import annotations
 
-import errno
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import H3Error
+from ..staged_files import remove, remove_dead_staging, staging_path, write_failure
 from .grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
 
 
@@ -43,48 +42,8 @@ def _trimmed_audio(waveform: torch.Tensor, num_frames: int, fps: int, sample_rat
     return waveform[:, :n].detach().float().clamp(-1, 1).cpu().numpy()
 
 
-def process_alive(pid: int) -> bool:
-    """A process with this id runs on this machine (a staging leftover whose owner is gone may be removed)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _staging(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.partial")
-
-
-def _remove_dead_staging(path: Path) -> None:
-    """`.NAME.PID.partial` leftovers of processes that were killed while writing `path`."""
-    prefix = f".{path.name}."
-    try:
-        entries = list(path.parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        pid = entry.name[len(prefix):-len(".partial")] if entry.name.startswith(prefix) else ""
-        if entry.name.endswith(".partial") and pid.isdigit() and not process_alive(int(pid)):
-            _remove(entry)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-
-
 def _write_error(path: Path, exc: BaseException) -> H3Error:
-    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-    if getattr(exc, "errno", None) == errno.EFBIG:
-        reason += ", past the process's file-size limit (ulimit -f)"
+    reason = write_failure(exc, path.parent)
     kept = "; the file already there is unchanged" if path.exists() else ""
     return H3Error(f"{path}: could not write the output: {reason}. Nothing was written{kept}.")
 
@@ -93,19 +52,19 @@ def _write_staged(path: Path, write) -> Path:
     """Run `write(staging_path)`, then rename the staging file or folder to `path`; on any failure or interrupt the
     staging copy is removed and `path` is untouched."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dead_staging(path)
-    staging = _staging(path)
+    remove_dead_staging(path)
+    staging = staging_path(path)
     try:
         write(staging)
         if staging.is_dir() and path.is_dir():  # a folder cannot replace a folder in one rename: move the old aside
             old = path.with_name(f".{path.name}.{os.getpid()}.old.partial")
             os.replace(path, old)
             os.replace(staging, path)
-            _remove(old)
+            remove(old)
         else:
             os.replace(staging, path)
     except BaseException as exc:
-        _remove(staging)
+        remove(staging)
         if isinstance(exc, OSError) or _is_av_error(exc):
             raise _write_error(path, exc) from None
         raise

@@ -316,7 +316,7 @@ def _remove_dead_staging(root: Path) -> None:
     versions without a process id once they are an hour old."""
     import time
 
-    from ..request.media_files import process_alive
+    from ..staged_files import process_alive
 
     try:
         entries = [e for e in root.iterdir() if e.name.startswith(f".{TINY_VERSION}-") and e.is_dir()]
