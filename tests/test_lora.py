@@ -113,13 +113,25 @@ def write_lora(path, fmt: str, seed: int):
             converted = {k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default.")
                          .replace(".lora_B.", ".lora_B.default."): v for k, v in converted.items()}
         state = converted
+    elif fmt in ("peft metadata", "rsLoRA"):  # saved by diffusers itself, its peft LoraConfig in the metadata
+        from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
+        from peft import LoraConfig
+
+        layers = {k.removeprefix("transformer."): v
+                  for k, v in _convert_non_diffusers_minimax_h3_lora_to_diffusers(original_state(seed)).items()}
+        config = LoraConfig(r=RANK, lora_alpha=3 * RANK, use_rslora=fmt == "rsLoRA",
+                            target_modules=sorted({k.rsplit(".lora_", 1)[0] for k in layers})).to_dict()
+        ReferencePipeline.save_lora_weights(path.parent, weight_name=path.name, transformer_lora_layers=layers,
+                                            transformer_lora_adapter_metadata=config)
+        return path
     else:
         raise AssertionError(fmt)
     save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
     return path
 
 
-FORMATS = ("original", "ai-toolkit", "metadata alpha", "kohya", "musubi", "DiffSynth", "diffusers", "peft dump")
+FORMATS = ("original", "ai-toolkit", "metadata alpha", "kohya", "musubi", "DiffSynth", "diffusers", "peft metadata",
+           "rsLoRA", "peft dump")
 
 
 def reference_output(reference, inputs, loras):
@@ -318,6 +330,7 @@ def test_a_fold_in_steps_equals_one_fold(checkpoints, inputs, tmp_path, monkeypa
     fold = stepped.lora_fold
     assert fold.folds > 0 and fold.factor_bytes_moved > 0
     # The fold is in place: its temporaries are the factors of one step (out_proj: 7 rows of up, all of down, bf16)
-    # or, into float32 weights, of one whole update (the AdaLN table's).
-    assert fold.peak_temporary_bytes(torch.bfloat16) == 2 * (7 * RANK + RANK * INNER)
+    # and the float32 reads they are cast from (the down matrix is the larger: read, then cast beside it), or, into
+    # float32 weights, the factors of one whole update (the AdaLN table's), read as they are.
+    assert fold.peak_temporary_bytes(torch.bfloat16) == 2 * RANK * INNER + max(4 * RANK * INNER, (2 + 4) * 7 * RANK)
     assert fold.peak_temporary_bytes(torch.float32) == 4 * (6 * 3 * 64 * RANK + RANK * 32)

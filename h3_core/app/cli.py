@@ -76,25 +76,47 @@ def parse_lora(text: str) -> tuple[Path, float]:
         if not math.isfinite(strength):
             raise CliError(f"--lora {text}: strength must be a finite number, got {tail!r}.")
     file = Path(path).expanduser()
-    if not path or not file.is_file():
+    if not path or not file.exists():  # a folder is read_lora's to explain
         raise CliError(f"--lora {text}: no such file {str(file)!r}.")
     return file, strength
 
 
+def note_repeated_loras(loras, say) -> None:
+    """A file given to --lora more than once is applied once per mention (as the library and a chain of LoRA nodes
+    do, so the strengths add); the CLI says so, as a repeat there is more likely a slip than meant."""
+    seen: dict = {}
+    for path, strength in loras:
+        try:
+            stat = path.stat()
+            seen.setdefault((stat.st_dev, stat.st_ino), []).append((path, strength))
+        except OSError:
+            continue  # read_lora says what is wrong with it
+    for mentions in seen.values():
+        if len(mentions) > 1:
+            strengths = " + ".join(f"{strength:g}" for _, strength in mentions)
+            total = sum(strength for _, strength in mentions)
+            say(f"--lora {mentions[0][0]}: given {len(mentions)} times, so it is applied {len(mentions)} times "
+                f"(strength {strengths} = {total:g}); give it once to apply it once")
+
+
 def lora_recommendations(loras, args, say) -> dict:
-    """Steps and shifts the LoRAs' metadata recommend that the user did not give (the first LoRA giving one wins);
-    says which it uses in one line."""
-    from ..checkpoints.lora_loader import read_lora
+    """Each LoRA read and checked, with its strength, before any model loads; then the steps and shifts their
+    metadata recommend that the user did not give (the first LoRA giving one wins), said in one line."""
+    from ..checkpoints.lora_loader import check_strengths, read_lora
 
     flags = {"steps": ("steps", args.steps), "video_shift": ("video shift", args.video_shift),
              "audio_shift": ("audio shift", args.audio_shift)}
     chosen: dict = {}
     sources = []
-    for path, _ in loras:
-        try:
-            recommended = read_lora(path).recommended
-        except H3Error as exc:
-            raise CliError(f"--lora: {exc}") from None
+    read = []
+    try:
+        for path, strength in loras:
+            read.append((read_lora(path), strength))
+        check_strengths(read)  # before any model loads
+    except H3Error as exc:
+        raise CliError(f"--lora: {exc}") from None
+    for lora, _ in read:
+        path, recommended = lora.path, lora.recommended
         for key, value in recommended.items():
             if key in flags and flags[key][1] is None and key not in chosen:
                 chosen[key] = value
@@ -111,11 +133,13 @@ def lora_recommendations(loras, args, say) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    q = commands.add_parser("quantize", help="write a quantised copy of a bf16 transformer checkpoint, streaming "
-                                             "it a tensor at a time")
-    q.add_argument("source", help="the bf16 transformer: a ComfyUI .safetensors file or a transformer folder")
+    q = commands.add_parser("quantize", help="write a quantised copy of a transformer checkpoint (bf16, fp16 or "
+                                             "fp32), streaming it a tensor at a time")
+    q.add_argument("source", help="the transformer (bf16, fp16 or fp32): a ComfyUI .safetensors file or a "
+                                  "transformer folder")
     q.add_argument("target", help="the file to write: .safetensors for fp8 / int8 (ComfyUI mixed precision), .gguf "
-                                  "for q8_0")
+                                  "for q8_0. Written under a temporary name and renamed when complete: an existing "
+                                  "file is replaced only by a finished one")
     q.add_argument("--format", required=True, choices=["q8_0", "fp8", "int8"], help="the quantisation")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
@@ -223,6 +247,7 @@ def check_arguments(args, say) -> GenerationRequest:
     if args.transformer is not None:
         _existing(args.transformer, "--transformer")
     loras = [parse_lora(text) for text in args.lora]
+    note_repeated_loras(loras, say)
     recommended = lora_recommendations(loras, args, say)
     chosen = {key: recommended.get(key, default) if getattr(args, key) is None else getattr(args, key)
               for key, default in (("steps", defaults["steps"]), ("video_shift", VIDEO_SHIFT),
@@ -235,7 +260,7 @@ def check_arguments(args, say) -> GenerationRequest:
         return GenerationRequest(
             prompt=args.prompt, width=width, height=height, num_frames=num_frames, seed=args.seed, **chosen,
             first_frame=args.first_frame, last_frame=args.last_frame, loras=tuple(loras),
-            **read_reference_files(args), names=names)
+            **read_reference_files(args, num_frames / FPS), names=names)
     except H3Error as exc:
         raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
                                         "and give the prompt as UTF-8 text")) from None
@@ -270,9 +295,9 @@ def _existing(path: Path, flag: str, *, folder_allowed: bool = True) -> Path:
     return path
 
 
-def read_reference_files(args) -> dict:
+def read_reference_files(args, seconds: float) -> dict:
     """The reference flags as request fields: images by path, videos and audios decoded (frames and soundtrack at
-    their own rates), each labelled with its flag and file for errors."""
+    their own rates, only the `seconds` the request uses), each labelled with its flag and file for errors."""
     from ..sources.reference_files import read_audio_file, read_video_file
 
     if not has_references(args):
@@ -286,9 +311,9 @@ def read_reference_files(args) -> dict:
     except H3Error as exc:
         raise CliError(str(exc)) from None
     videos = [(frames, waveform, fps, rate) for frames, fps, waveform, rate in
-              (read_video_file(path) for path in args.ref_video)]
+              (read_video_file(path, max_seconds=seconds) for path in args.ref_video)]
     return dict(reference_images=tuple(args.ref_image), reference_videos=tuple(videos),
-                reference_audios=tuple(read_audio_file(path) for path in args.ref_audio),
+                reference_audios=tuple(read_audio_file(path, max_seconds=seconds) for path in args.ref_audio),
                 reference_image_size=args.ref_image_size,
                 reference_labels=tuple(((kind, i), f"{flag} {path}") for kind, flag, paths in flags
                                        for i, path in enumerate(paths)))
@@ -398,15 +423,22 @@ def _what_was_written(outputs: dict) -> str:
     return "nothing was written"
 
 
-def quantize(args, say=print) -> Path:
-    """Run `python -m h3_core quantize SRC DST --format F` (errors name the argument as the CLI spells it)."""
+def quantize(args, say=print, outputs: dict | None = None) -> Path:
+    """Run `python -m h3_core quantize SRC DST --format F` (errors name the argument as the CLI spells it). As with
+    generate's --out, a file already at DST is replaced only by a complete one, and the message says so; `outputs`
+    (filled in here) lets an interrupt say that DST is unchanged."""
     from ..checkpoints.quantiser import quantise_checkpoint
 
+    target = Path(args.target).expanduser()
+    before = _identity(target)
+    if outputs is not None:
+        outputs.update(path=target, before=before)
     try:
-        written = quantise_checkpoint(args.source, args.target, args.format)
+        written = quantise_checkpoint(args.source, target, args.format)
     except H3Error as exc:
         raise CliError(str(exc).replace("format=", "--format ")) from None
-    say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format})")
+    replaced = "; replaced the file that was there" if before is not None else ""
+    say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format}{replaced})")
     return written
 
 
@@ -425,7 +457,7 @@ def main(argv=None) -> int:
         if args.command == "generate":
             generate(args, outputs=outputs)
         elif args.command == "quantize":
-            quantize(args)
+            quantize(args, outputs=outputs)
         return 0
     except H3Error as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -15,18 +15,26 @@ Formats, told apart by their keys (diffusers 0.42.1 reads the same set):
 * **full-weight deltas**: `<module>.diff` (weight) and `<module>.diff_b` (bias), original names.
 
 Scale of a low-rank pair: its `alpha / rank` when the file has per-module alphas; the file's `__metadata__` `alpha` over
-the rank when it has none; 1.0 otherwise (`alpha == rank`, the convention of the published alpha-less LoRAs).
+the rank when it has none, or peft's `lora_alpha` from `lora_adapter_metadata` (over sqrt(rank) with `use_rslora`, as
+peft does); 1.0 otherwise (`alpha == rank`, the convention of the published alpha-less LoRAs).
 
 A fold adds `strength * scale * up @ down` (computed in float32 on the device, then cast) to a freshly materialised
 tensor, so the host store and the memory maps are never written and layerwise residency holds no second copy.
+
+Every number is checked when the file is read, before any fold (factors, alphas: dtype, finiteness, magnitude), and
+the strengths when a fold is made (`check_strengths`). Factors are read with explicit reads by the file's own
+`FileReader`, checked against the file's identity, as checkpoints are: a LoRA truncated or rewritten while in use is
+the checkpoints' "changed while it was loaded" error, never a SIGBUS, and what is folded is what was checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
-from contextlib import closing
+import weakref
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -34,16 +42,32 @@ from typing import Iterable, Sequence
 import torch
 
 from ..errors import CheckpointError
+from ..json_values import is_positive_real
 from ..models.dit import H3DiT
 from ..models.dit_config import H3DiTConfig
 from ..models.meta_models import meta_model
-from ..runtime.file_reads import FileReader
+from ..runtime.file_reads import FileIdentity, FileReader, read_private, segment_of
 from .safetensors_io import SafetensorsFile, refuse_pickle
 
 
 # A fold into a bf16 / fp16 weight runs this many weight elements per `addmm_` call, bounding whatever accumulation
 # buffer the kernel keeps (a float32 copy of the slice would be 64 MiB); a float32 weight is folded in one call.
 FOLD_ELEMENTS = 1 << 24
+
+# How large a LoRA's numbers may be. A fold casts the factors to the weight's dtype, float16 the narrowest (largest
+# finite value 65504), and adds `strength * scale * up @ down`. Factor entries up to FACTOR_LIMIT survive that cast;
+# every partial sum of `up @ down` is at most rank * max |up| * max |down| (an update's `product_bound`), kept under
+# FACTOR_LIMIT too, so no accumulator overflows whatever precision the GEMM reduces in; and the change to any
+# weight, at most |strength| * scale * product_bound summed over the updates of that weight, is kept under
+# MAX_WEIGHT_CHANGE, so a folded weight (trained weights are O(1)) stays finite in float16. Trained LoRAs have factors
+# of about 1e-3..1 and change weights by well under 1 at strength 1, so these refuse only broken files (factors or an
+# alpha off by powers of ten, NaN / Inf) and strengths that are typos, never a LoRA that works.
+FACTOR_LIMIT = float(torch.finfo(torch.float16).max)
+MAX_WEIGHT_CHANGE = 1e4
+# Bytes of a LoRA tensor read at a time to check it, into one buffer for the whole file: checking holds no copy of
+# the file and leaves no heap behind (a buffer per tensor left ~0.4 MB of holes between the objects made meanwhile;
+# one of 1 MiB is a mapping of its own, returned whole when freed).
+CHECK_CHUNK_BYTES = 1 << 20
 
 
 class LoraError(CheckpointError):
@@ -58,7 +82,9 @@ class Update:
     """`scale * up @ down` (or the full `delta` when `down` is None) added to rows `rows` of a parameter.
 
     `row_order` permutes the rows of `up` / `delta` into the model's order (DiffSynth's interleaved QKV, diffusers'
-    `[up; gate]`); None keeps them. Tensors are the file's memory-mapped views, read when a fold runs.
+    `[up; gate]`); None keeps them. Tensors are the file's memory-mapped views, whose pages are never touched: a fold
+    reads their bytes with the LoRA file's `FileReader`. `change_bound` bounds |scale * up @ down| (or |delta|)
+    entry by entry, from the values checked when the file was read (see FACTOR_LIMIT).
     """
 
     up: torch.Tensor
@@ -66,26 +92,60 @@ class Update:
     scale: float = 1.0
     rows: tuple[int, int] | None = None
     row_order: torch.Tensor | None = None
+    change_bound: float = 0.0
 
-    def add_to(self, target: torch.Tensor, strength: float) -> int:
+    def add_to(self, target: torch.Tensor, strength: float, reader: FileReader | None = None) -> int:
         """`target += strength * scale * update` in place, one `addmm_` per `fold_rows` rows with the factors in the
         weight's dtype (the GEMM accumulates in float32 and rounds once: as precise as a float32 product added, and
-        20x faster than a mixed-dtype add on the CPU). Returns the bytes of the factors read onto the device."""
-        device, dtype, factor = target.device, target.dtype, strength * self.scale
-        down = None if self.down is None else self.down.to(device=device, dtype=dtype)
-        order = self.row_order
-        moved = 0 if down is None else down.numel() * down.element_size()
-        step = fold_rows(target)
-        for start in range(0, target.shape[0], step):
-            stop = min(start + step, target.shape[0])
-            up = self.up[start:stop] if order is None else self.up.index_select(0, order[start:stop])
-            up = up.to(device=device, dtype=dtype)
-            moved += up.numel() * up.element_size()
-            if down is None:
-                target[start:stop].add_(up, alpha=factor)
-            else:
-                target[start:stop].addmm_(up, down, alpha=factor)
-        return moved
+        20x faster than a mixed-dtype add on the CPU). Factors in a file are read by `reader` (a temporary one when
+        None). Returns the bytes of the factors read onto the device."""
+        with ExitStack() as stack:
+            if reader is None and (segment_of(self.up) is not None or
+                                   (self.down is not None and segment_of(self.down) is not None)):
+                reader = stack.enter_context(closing(FileReader()))
+            device, dtype, factor = target.device, target.dtype, strength * self.scale
+            down = None if self.down is None else _read_rows(self.down, None, reader).to(device=device, dtype=dtype)
+            order = self.row_order
+            moved = 0 if down is None else down.numel() * down.element_size()
+            step = fold_rows(target)
+            for start in range(0, target.shape[0], step):
+                stop = min(start + step, target.shape[0])
+                rows = range(start, stop) if order is None else order[start:stop]
+                up = _read_rows(self.up, rows, reader).to(device=device, dtype=dtype)
+                moved += up.numel() * up.element_size()
+                if down is None:
+                    target[start:stop].add_(up, alpha=factor)
+                else:
+                    target[start:stop].addmm_(up, down, alpha=factor)
+            return moved
+
+
+def _read_rows(tensor: torch.Tensor, rows: range | torch.Tensor | None, reader: FileReader | None) -> torch.Tensor:
+    """Rows `rows` (a range, an index tensor, or None: all) of a LoRA tensor. A memory-mapped one is read by
+    `reader` into the process's own memory, a run of consecutive rows per read, so its map's pages are never faulted
+    (a file changed since it was read is `changed_file_error`, not a SIGBUS); any other is indexed as it is."""
+    segment = segment_of(tensor)
+    if segment is None or reader is None:
+        if rows is None:
+            return tensor
+        return tensor[rows.start:rows.stop] if isinstance(rows, range) else tensor.index_select(0, rows)
+    if rows is None:
+        return read_private(tensor, reader)
+    if isinstance(rows, range):
+        runs = [(0, rows.start, len(rows))]
+    else:  # split the index into runs of consecutive rows: head_dim long for DiffSynth's QKV, halves for the swap
+        rows = rows.tolist()
+        runs, begin = [], 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                runs.append((begin, rows[begin], i - begin))
+                begin = i
+    row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+    out = torch.empty((sum(n for _, _, n in runs), *tensor.shape[1:]), dtype=tensor.dtype)
+    for at, first, count in runs:
+        if count:
+            reader.read_into(segment, out[at: at + count], start=first * row_bytes)
+    return out
 
 
 def fold_rows(target: torch.Tensor) -> int:
@@ -107,16 +167,36 @@ class LoraFile:
     # "steps" (sigma grid points, as the pipeline's `steps`: the metadata's sampling steps + 1), "video_shift",
     # "audio_shift", where the file's metadata recommends them.
     recommended: dict = field(default_factory=dict)
-    identity: tuple = ()  # (device, inode, size, mtime) of the file when it was read
+    identity: FileIdentity | None = None  # the file when it was read: what its factors' reads check
     placed: bool = False  # updates in the model's row order (read with its config): only then can it be folded
+    # The explicit reads of this file's factors, open while it can be folded: its descriptor stays on the file that
+    # was read and checked (a replacement by rename keeps reading it; an in-place change is an error).
+    reader: FileReader | None = field(default=None, repr=False, compare=False)
+
+    def largest_changes(self, strength: float) -> dict[str, float]:
+        """Model parameter -> the most `strength` times this LoRA can change one of its entries (a bound)."""
+        return {name: abs(strength) * sum(u.change_bound for u in updates) for name, updates in self.updates.items()}
 
 
-def file_identity(path: Path) -> tuple:
-    try:
-        stat = path.stat()
-    except OSError:
-        return ()
-    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+def check_strengths(loras: Sequence[tuple[LoraFile, float]]) -> None:
+    """Every strength is a finite number, and with all of them no weight can change by more than MAX_WEIGHT_CHANGE
+    (so no fold can overflow); one `LoraError` naming the file, strength and largest usable strength otherwise."""
+    totals: dict[str, float] = {}
+    for lora, strength in loras:
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
+            raise LoraError(f"{lora.path}: LoRA strength must be a finite number, got {strength!r}.", path=lora.path)
+        for name, change in lora.largest_changes(strength).items():
+            totals[name] = totals.get(name, 0.0) + change
+    for name, total in totals.items():
+        if total > MAX_WEIGHT_CHANGE:  # a product past float's range is inf, also refused here
+            lora, strength = max(loras, key=lambda entry: entry[0].largest_changes(entry[1]).get(name, 0.0))
+            own = lora.largest_changes(1.0)[name]
+            others = f" (with the other LoRAs on it, {total:.3g})" if len(loras) > 1 else ""
+            raise LoraError(
+                f"{lora.path}: strength {strength:g} would change '{name}' by up to "
+                f"{abs(strength) * own:.3g}{others}, more than the {MAX_WEIGHT_CHANGE:g} any LoRA may (trained "
+                f"LoRAs change weights by well under 1, at strengths near 1). Use a strength of at most "
+                f"{MAX_WEIGHT_CHANGE / own:.3g} in size.", path=lora.path, key=name)
 
 
 # ---- key vocabulary -------------------------------------------------------------------------------------------------
@@ -210,8 +290,8 @@ def _number(metadata: dict, names: Iterable[str], kind, path: Path):
                 raise LoraError(f"{path}: metadata '{name}' is {metadata[name]!r}, not a number.", path=path,
                                 key=name) from None
             if not math.isfinite(value) or value <= 0:
-                raise LoraError(f"{path}: metadata '{name}' must be positive, got {metadata[name]!r}.", path=path,
-                                key=name)
+                raise LoraError(f"{path}: metadata '{name}' must be a positive finite number, got "
+                                f"{metadata[name]!r}.", path=path, key=name)
             return value
     return None
 
@@ -227,35 +307,154 @@ def _recommended(metadata: dict, path: Path) -> dict:
     return out
 
 
-def _network_alpha(metadata: dict, path: Path) -> float | None:
-    """A uniform alpha from the metadata: `alpha`, or peft's `lora_adapter_metadata` JSON (`lora_alpha`)."""
+@dataclass(frozen=True)
+class NetworkAlpha:
+    """A uniform alpha from the metadata, where it was found (for messages) and whether it scales by sqrt(rank)."""
+
+    value: float
+    source: str
+    rslora: bool = False
+
+    def scale(self, rank: int) -> float:
+        # peft's rsLoRA scales by alpha / sqrt(r) (LoraLayer.update_layer), plain LoRA by alpha / r.
+        return self.value / (math.sqrt(rank) if self.rslora else rank)
+
+
+def _network_alpha(metadata: dict, path: Path) -> NetworkAlpha | None:
+    """A uniform alpha from the metadata: `alpha`, or peft's `lora_adapter_metadata` JSON (`lora_alpha`, with
+    `use_rslora`), as a model saves it or as diffusers' pipelines do (every key prefixed `transformer.`)."""
     if "alpha" in metadata:
-        return _number(metadata, ("alpha",), float, path)
+        return NetworkAlpha(_number(metadata, ("alpha",), float, path), "metadata 'alpha'")
     adapter = metadata.get("lora_adapter_metadata")
-    if adapter:
-        try:
-            config = json.loads(adapter)
-        except json.JSONDecodeError:
-            raise LoraError(f"{path}: metadata 'lora_adapter_metadata' is not JSON.", path=path) from None
-        if config.get("alpha_pattern") or config.get("rank_pattern"):
-            raise LoraError(f"{path}: per-module alpha_pattern / rank_pattern in lora_adapter_metadata are not "
-                            "supported; save the LoRA with per-module '.alpha' tensors instead.", path=path)
-        if "lora_alpha" in config:
-            return float(config["lora_alpha"])
-    return None
+    if not adapter:
+        return None
+    where = "metadata 'lora_adapter_metadata'"
+    try:
+        config = json.loads(adapter)
+    except (json.JSONDecodeError, RecursionError):
+        raise LoraError(f"{path}: {where} is not JSON (or nested too deeply); it should be the JSON object of the "
+                        "adapter's peft LoraConfig. Save the LoRA again, or remove that metadata.", path=path,
+                        key="lora_adapter_metadata") from None
+    if not isinstance(config, dict):
+        raise LoraError(f"{path}: {where} is {adapter[:80]!r}, not a JSON object (the adapter's peft LoraConfig). "
+                        "Save the LoRA again, or remove that metadata.", path=path, key="lora_adapter_metadata")
+    prefixed = {k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")}
+    config = prefixed or config
+    if config.get("alpha_pattern") or config.get("rank_pattern"):
+        raise LoraError(f"{path}: per-module alpha_pattern / rank_pattern in lora_adapter_metadata are not "
+                        "supported; save the LoRA with per-module '.alpha' tensors instead.", path=path)
+    if config.get("use_dora"):
+        raise LoraError(f"{path}: {where} sets use_dora, which marks a DoRA; DoRA is not supported: use a plain "
+                        "LoRA.", path=path, key="lora_adapter_metadata")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise LoraError(f"{path}: {where} sets use_rslora to {rslora!r}; it must be true or false. Save the LoRA "
+                        "again, or correct that metadata.", path=path, key="lora_adapter_metadata")
+    if "lora_alpha" not in config:
+        return None
+    alpha = config["lora_alpha"]
+    if not is_positive_real(alpha):
+        raise LoraError(f"{path}: {where} sets lora_alpha to {json.dumps(alpha)[:80]}; it must be a positive finite "
+                        "number (JSON, not a string). Save the LoRA again, or correct that metadata.", path=path,
+                        key="lora_adapter_metadata")
+    return NetworkAlpha(float(alpha), f"{where} lora_alpha", bool(rslora))
+
+
+def _checked_values(file: SafetensorsFile, key: str, reader: FileReader, buffer: torch.Tensor, path: Path,
+                    what: str) -> float:
+    """Tensor `key` (a LoRA factor or delta) read explicitly (never through the memory map), a `buffer` (bytes) at a
+    time, and checked: floating point, non-empty, finite, no entry past FACTOR_LIMIT. Returns the largest entry's
+    size; one `LoraError` naming the key if not."""
+    view = file.tensor(key)
+    if not view.dtype.is_floating_point:
+        raise LoraError(f"{path}: tensor '{key}' ({what}) has dtype {str(view.dtype).removeprefix('torch.')}; LoRA "
+                        "factors are floating-point numbers (F32, F16 or BF16). The file was written wrongly: export "
+                        "the LoRA again.", path=path, key=key)
+    if view.numel() == 0:
+        raise LoraError(f"{path}: tensor '{key}' ({what}) has shape {list(view.shape)}, no values; the file is "
+                        "broken: export the LoRA again.", path=path, key=key)
+    segment, size, total = segment_of(view), view.element_size(), view.numel()
+    step = buffer.numel() // size
+    largest = 0.0
+    for first in range(0, total, step):
+        count = min(step, total - first)
+        if segment is None:  # an unaligned tensor, copied when the file was opened
+            chunk = view.reshape(-1)[first: first + count]
+        else:
+            chunk = buffer[: count * size].view(view.dtype)
+            reader.read_into(segment, chunk, start=first * size)
+        wide = chunk if size > 1 else chunk.float()  # aminmax has no 8-bit float kernels
+        low, high = (float(v) for v in torch.aminmax(wide))
+        if not (math.isfinite(low) and math.isfinite(high)):  # aminmax propagates NaN
+            bad = int((~torch.isfinite(wide)).nonzero()[0])
+            raise LoraError(f"{path}: tensor '{key}' ({what}) holds {float(wide[bad])} at flat index {first + bad}: "
+                            "its values must be finite. The file is corrupt (or was saved from a diverged training "
+                            "run); use another copy.", path=path, key=key)
+        largest = max(largest, -low, high)
+    if largest > FACTOR_LIMIT:
+        raise LoraError(f"{path}: tensor '{key}' ({what}) holds values up to {largest:.3g} in size; LoRA values "
+                        f"are at most {FACTOR_LIMIT:g} (trained ones are about 1e-3..1), so the file is corrupt or "
+                        "scaled wrongly: export the LoRA again.", path=path, key=key)
+    return largest
+
+
+def _tensor_alpha(file: SafetensorsFile, key: str, reader: FileReader, path: Path) -> float:
+    """A per-module `.alpha`: one positive, finite number (any float or integer dtype)."""
+    view = file.tensor(key)
+    if view.dtype == torch.bool or view.dtype.is_complex or view.numel() != 1:
+        raise LoraError(f"{path}: '{key}' is a {str(view.dtype).removeprefix('torch.')} tensor of shape "
+                        f"{list(view.shape)}; a LoRA alpha is one number (a scalar). The file was written wrongly: "
+                        "export the LoRA again.", path=path, key=key)
+    value = float(read_private(view, reader).reshape(()).item())
+    if not math.isfinite(value) or value <= 0:
+        raise LoraError(f"{path}: '{key}' is {value}; a LoRA alpha must be a positive finite number (usually the "
+                        "rank or twice it). The file is corrupt or was written wrongly: export the LoRA again.",
+                        path=path, key=key)
+    return value
+
+
+def _check_change(path: Path, key: str, change: float, subject: str) -> None:
+    """The change `subject` (naming `key`) makes at strength 1 is within MAX_WEIGHT_CHANGE."""
+    if not change <= MAX_WEIGHT_CHANGE:
+        raise LoraError(f"{path}: {subject}, so at strength 1 it could change a weight by up to {change:.3g}, more "
+                        f"than the {MAX_WEIGHT_CHANGE:g} any LoRA may (trained LoRAs change weights by well under 1). "
+                        "The file is corrupt or its alpha is wrong: export the LoRA again.", path=path, key=key)
 
 
 def read_lora(source, config: H3DiTConfig | None = None, shapes: dict | None = None) -> LoraFile:
-    """Read and check a LoRA file (memory-mapped). With the model's `config` (and its parameter `shapes`, if known)
-    every update is placed in the model's row order and checked against the parameter it changes: only such a file
-    can be folded. Without one (to read the format and the recommended settings) only the keys are checked."""
+    """Read and check a LoRA file: its keys, and every factor and alpha (read explicitly, never through the memory
+    map). With the model's `config` (and its parameter `shapes`, if known) every update is placed in the model's row
+    order and checked against the parameter it changes: only such a file can be folded, and it keeps its reader open
+    for that. Without one (to read the format and the recommended settings) the shapes are not checked."""
     path = Path(source).expanduser()
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.safetensors"))[:3]
+        hint = f" (it holds {', '.join(inside)})" if inside else ""
+        raise LoraError(f"{path}: is a folder, not a LoRA file; give the LoRA's .safetensors file inside it{hint}.",
+                        path=path)
     if not path.is_file():
         raise LoraError(f"{path}: no such LoRA file.", path=path)
     refuse_pickle(path)
     if path.suffix.lower() != ".safetensors":
         raise LoraError(f"{path}: a LoRA must be a .safetensors file.", path=path)
     file = SafetensorsFile(path)
+    reader = FileReader()
+    try:
+        lora = _read_checked(path, file, reader, config, shapes)
+    except BaseException:
+        reader.close()
+        raise
+    if lora.placed:
+        lora.reader = reader
+        weakref.finalize(lora, reader.close)
+    else:
+        reader.close()
+    return lora
+
+
+def _read_checked(path: Path, file: SafetensorsFile, reader: FileReader, config: H3DiTConfig | None,
+                  shapes: dict | None) -> LoraFile:
+    buffer = torch.empty(CHECK_CHUNK_BYTES, dtype=torch.uint8)  # one for every tensor checked: no heap left behind
     metadata = dict(file.metadata or {})
     keys = list(file.keys())
     if not keys:
@@ -283,7 +482,11 @@ def read_lora(source, config: H3DiTConfig | None = None, shapes: dict | None = N
             else:
                 raise LoraError(f"{path}: key '{key}' names no H3 transformer module in musubi-tuner's flattened "
                                 "layout.", path=path, key=key)
-        groups.setdefault(module, {})[part] = key
+        group = groups.setdefault(module, {})
+        if part in group:  # two spellings of one tensor (with and without a prefix, flattened and not)
+            raise LoraError(f"{path}: keys '{group[part]}' and '{key}' are the same tensor of '{module}', so which one "
+                            "applies is ambiguous; keep one of them.", path=path, key=key)
+        group[part] = key
     updates: dict[str, list[Update]] = {}
     interleaved = kind == "DiffSynth-Studio"
     for module, parts in groups.items():
@@ -303,22 +506,43 @@ def read_lora(source, config: H3DiTConfig | None = None, shapes: dict | None = N
                 raise LoraError(f"{path}: '{parts['up']}' {list(up.shape)} and '{parts['down']}' {list(down.shape)} are "
                                 "not a rank-r pair ([out, r] and [r, in]).", path=path, key=parts["up"])
             rank = down.shape[0]
+            if rank == 0:
+                raise LoraError(f"{path}: '{parts['up']}' {list(up.shape)} and '{parts['down']}' {list(down.shape)} "
+                                "have rank 0: the pair changes nothing and no alpha can scale it. The file is broken: "
+                                "export the LoRA again.", path=path, key=parts["up"])
+            product_bound = (rank * _checked_values(file, parts["up"], reader, buffer, path, "lora_B / lora_up")
+                             * _checked_values(file, parts["down"], reader, buffer, path, "lora_A / lora_down"))
+            if not product_bound <= FACTOR_LIMIT:
+                raise LoraError(f"{path}: '{parts['up']}' @ '{parts['down']}' can reach {product_bound:.3g}, more "
+                                f"than the {FACTOR_LIMIT:g} a fold holds (a trained LoRA's product is well under "
+                                "1); the file is corrupt or scaled wrongly: export the LoRA again.", path=path,
+                                key=parts["up"])
+            pair = f"the pair '{parts['up']}' / '{parts['down']}'"
             if "alpha" in parts:
-                scale = float(file.tensor(parts["alpha"]).float().item()) / rank
+                alpha = _tensor_alpha(file, parts["alpha"], reader, path)
+                scale = alpha / rank
+                _check_change(path, parts["alpha"], scale * product_bound,
+                              f"'{parts['alpha']}' = {alpha:g} with rank {rank} scales {pair} by {scale:g}")
             elif network_alpha is not None:
-                scale = network_alpha / rank
+                scale = network_alpha.scale(rank)
+                _check_change(path, parts["up"], scale * product_bound, f"{pair} is scaled by {scale:g} "
+                              f"({network_alpha.source} = {network_alpha.value:g}, rank {rank})")
             else:
                 scale = 1.0
+                _check_change(path, parts["up"], product_bound, f"{pair} (no alpha: scale 1)")
+            update = Update(up, down, scale, change_bound=scale * product_bound)
             updates.setdefault(target + ".weight", []).append(
-                _placed(Update(up, down, scale), part, interleaved and target.endswith("attn.qkv_proj"), config))
+                _placed(update, part, interleaved and target.endswith("attn.qkv_proj"), config))
         for diff, suffix in (("diff", ".weight"), ("diff_b", ".bias")):
             if diff in parts:
-                updates.setdefault(target + suffix, []).append(_placed(Update(file.tensor(parts[diff]), None), part,
-                                                                      False, config))
+                change = _checked_values(file, parts[diff], reader, buffer, path, "a full-weight delta")
+                _check_change(path, parts[diff], change, f"'{parts[diff]}' holds values up to {change:.3g} in size")
+                updates.setdefault(target + suffix, []).append(
+                    _placed(Update(file.tensor(parts[diff]), None, change_bound=change), part, False, config))
         if set(parts) == {"alpha"}:
             raise LoraError(f"{path}: '{parts['alpha']}' belongs to no LoRA pair.", path=path, key=parts["alpha"])
     lora = LoraFile(path, kind, metadata, updates, sum(file.nbytes(k) for k in keys), _recommended(metadata, path),
-                    file_identity(path), placed=config is not None)
+                    file.identity, placed=config is not None)
     if config is not None:
         check_against(lora, config, shapes)
     return lora
@@ -328,15 +552,14 @@ def _placed(update: Update, part, interleaved: bool, config: H3DiTConfig | None)
     """Rows and row order of an update from the mapping of its module (QKV slice, fc1 half swap, interleave)."""
     rows = update.up.shape[0]
     if isinstance(part, int):
-        return Update(update.up, update.down, update.scale, (part * rows, (part + 1) * rows))
+        return dataclasses.replace(update, rows=(part * rows, (part + 1) * rows))
     if part == "swap":  # diffusers [up; gate] -> our [gate; up]
         half = rows // 2
-        order = torch.cat((torch.arange(half, rows), torch.arange(half)))
-        return Update(update.up, update.down, update.scale, None, order)
+        return dataclasses.replace(update, row_order=torch.cat((torch.arange(half, rows), torch.arange(half))))
     if interleaved and config is not None:  # without the model's head count the file is only inspected
         heads, head_dim = config.num_attention_heads, config.attention_head_dim
         order = torch.arange(3 * heads * head_dim).reshape(heads, 3, head_dim).transpose(0, 1).reshape(-1)
-        return Update(update.up, update.down, update.scale, None, order)
+        return dataclasses.replace(update, row_order=order)
     return update
 
 
@@ -384,6 +607,7 @@ class LoraFold:
         if unplaced:
             raise LoraError(f"{unplaced[0]}: read without the model's config, so its rows are not placed; read it "
                             "with read_lora(path, model.config).")
+        check_strengths(self.loras)
 
     def targets(self) -> set[str]:
         return {name for lora, strength in self.loras if strength != 0 for name in lora.updates}
@@ -395,13 +619,14 @@ class LoraFold:
                 continue
             for update in lora.updates.get(name, ()):
                 view = tensor if update.rows is None else tensor[update.rows[0]: update.rows[1]]
-                self.factor_bytes_moved += update.add_to(view, strength)
+                self.factor_bytes_moved += update.add_to(view, strength, lora.reader)
                 self.folds += 1
         return tensor
 
     def peak_temporary_bytes(self, dtype: torch.dtype) -> int:
         """The largest temporary one fold step makes into weights of `dtype`: the factors of one update on the device
-        (the up rows of a step and the down matrix, in `dtype`); the fold itself is in place."""
+        (the up rows of a step and the down matrix, in `dtype`) and, where the file's dtype differs, the explicit
+        read they are cast from (the down matrix, then a step's up rows); the fold itself is in place."""
         size = torch.empty((), dtype=dtype).element_size()
         peak = 0
         for lora, strength in self.loras:
@@ -411,9 +636,12 @@ class LoraFold:
                 for u in updates:
                     rows, rank = u.up.shape[0], u.up[0].numel()
                     cols = u.down.shape[1] if u.down is not None else rank
-                    step = rows if dtype == torch.float32 else max(1, FOLD_ELEMENTS // cols)
-                    factors = min(step, rows) * rank + (u.down.numel() if u.down is not None else 0)
-                    peak = max(peak, size * factors)
+                    step = min(rows if dtype == torch.float32 else max(1, FOLD_ELEMENTS // cols), rows)
+                    down = u.down.numel() if u.down is not None else 0
+                    # The explicit read is the factor itself in the weight's dtype (on the CPU: no cast, no copy).
+                    down_read = 0 if u.down is None or u.down.dtype == dtype else u.down.element_size()
+                    up_read = 0 if u.up.dtype == dtype else u.up.element_size()
+                    peak = max(peak, size * down + max(down_read * down, (size + up_read) * step * rank))
         return peak
 
     def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -423,15 +651,22 @@ class LoraFold:
                 self.fold(name, tensor)
 
 
+def _unchanged(lora: LoraFile) -> bool:
+    try:
+        return lora.identity == FileIdentity.of(lora.path)
+    except OSError:
+        return False
+
+
 def has_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]]) -> bool:
-    """The model's LoRA set is `loras` already, from files unchanged on disk since they were read."""
+    """The model's LoRA set is `loras` already, from files unchanged on disk since they were read (the identity
+    their reads check, so a file those reads would refuse is read again instead)."""
     try:
         wanted = tuple((Path(path).expanduser(), float(strength)) for path, strength in loras)
     except (TypeError, ValueError):
         return False  # not (file, strength) pairs: set_loras says what is wrong
     fold = model.lora_fold  # None: no LoRA was ever set, so `model.loras` is ()
-    return model.loras == wanted and (fold is None or all(
-        lora.identity == file_identity(lora.path) for lora, _ in fold.loras))
+    return model.loras == wanted and (fold is None or all(_unchanged(lora) for lora, _ in fold.loras))
 
 
 def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H3DiT:
@@ -446,10 +681,8 @@ def set_loras(model: H3DiT, loras: Sequence[tuple[str | Path, float]] = ()) -> H
             strength = float(strength)
         except (TypeError, ValueError):
             raise LoraError(f"LoRAs are (file, strength) pairs, got {entry!r}.") from None
-        if not math.isfinite(strength):
-            raise LoraError(f"{source}: LoRA strength must be a finite number, got {strength}.")
         applied.append((read_lora(source, model.config, shapes), strength))
-    fold = LoraFold(applied)
+    fold = LoraFold(applied)  # checks the strengths
     previous = getattr(model, "lora_fold", None)
     touched = fold.targets() | (previous.targets() if previous is not None else set())
     streamed = model.streamed_parameter_names()
