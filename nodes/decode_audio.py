@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from . import comfy_runtime
 from .sockets import H3Latent, H3Model
 from .telemetry import phase
 
@@ -28,5 +29,5 @@ class H3StreamDecodeAudio(io.ComfyNode):
 
         pipeline = h3_model.pipeline
         with phase(cls.hidden.unique_id, h3_model, "audio decode", {"audio_vae": pipeline.sources.audio_vae}):
-            waveform = pipeline.decode_audio(h3_latent)
+            waveform = pipeline.decode_audio(h3_latent, check_interrupt=comfy_runtime.check_interrupt)
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

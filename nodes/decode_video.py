@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from . import comfy_runtime
 from .sockets import H3Latent, H3Model
 from .telemetry import phase
 
@@ -28,5 +29,5 @@ class H3StreamDecodeVideo(io.ComfyNode):
 
         pipeline = h3_model.pipeline
         with phase(cls.hidden.unique_id, h3_model, "video decode", {"video_vae": pipeline.sources.video_vae}):
-            frames = pipeline.decode_video(h3_latent)
+            frames = pipeline.decode_video(h3_latent, check_interrupt=comfy_runtime.check_interrupt)
         return io.NodeOutput(frames, float(FPS))

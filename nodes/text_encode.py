@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from . import comfy_runtime
 from .request_inputs import canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames
 from .sockets import H3Cond, H3Model, H3Refs
 from .telemetry import phase
@@ -93,5 +94,5 @@ def encode(node_id, h3_model, **request) -> io.NodeOutput:
     request = GenerationRequest(**request)
     pipeline = h3_model.pipeline
     with phase(node_id, h3_model, "text encoder", {"text_encoder": pipeline.sources.text_encoder}):
-        conditioning = pipeline.encode_prompt(request)
+        conditioning = pipeline.encode_prompt(request, check_interrupt=comfy_runtime.check_interrupt)
     return io.NodeOutput(conditioning)

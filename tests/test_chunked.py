@@ -330,21 +330,24 @@ def test_explicit_chunk_size_wins():
     policy = ChunkingPolicy(memory_budget=1000 * 2 * projection_elements_per_row(H3))
     assert policy.plan(48_768, H3, batch=1, dtype=torch.bfloat16, device="cpu").size == 960
     assert policy.plan(48_768, H3, batch=1, dtype=torch.float32, device="cpu").size == 448
-    assert ChunkingPolicy().plan(48_768, H3, batch=1, dtype=torch.bfloat16, device="cpu").size is None
+    # Without a budget the CPU only bounds the rows of a chunk (32,768: an interrupt lands between chunks).
+    assert ChunkingPolicy().plan(48_768, H3, batch=1, dtype=torch.bfloat16, device="cpu").size == 32_768
     assert ChunkingPolicy().plan(48_768, H3, batch=1, dtype=torch.bfloat16, device="mps").size == 768
 
 
 def test_cpu_attention_queries_run_in_calls_of_at_least_768_rows():
-    # ATen's CPU flash attention is ~14 % slower per query row below 768 query rows (smaller query tiles).
-    chunks = ChunkingPolicy(chunk_size=256).plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu")
+    # ATen's CPU flash attention is ~14 % slower per query row below 768 query rows (smaller query tiles). Where a
+    # call would then do more than the CPU's max_attention_work, that bound wins (tests/test_cancel_latency.py).
+    cpu = ChunkingBackend("cpu", min_query_rows=CPU.min_query_rows)
+    chunks = ChunkingPolicy(chunk_size=256, backend=cpu).plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu")
     assert (chunks.size, chunks.query_size) == (256, 768)
     assert list(chunks.query_ranges(2000)) == [(0, 768), (768, 1536), (1536, 2000)]
-    chunks = ChunkingPolicy(chunk_size=1024).plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu")
+    chunks = ChunkingPolicy(chunk_size=1024, backend=cpu).plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu")
     assert chunks.query_size == 1024
     for device in ("cuda", "mps"):
         chunks = ChunkingPolicy(chunk_size=256).plan(12_432, H3, batch=1, dtype=torch.float32, device=device)
         assert chunks.query_size == 256
-    assert ChunkingPolicy().plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu").query_size is None
+    assert ChunkingPolicy(backend=cpu).plan(12_432, H3, batch=1, dtype=torch.float32, device="cpu").query_size is None
 
 
 def test_memory_budget_option_chunks_the_forward(checkpoints, inputs, fused_output):

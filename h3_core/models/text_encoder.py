@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -283,20 +283,24 @@ class LanguageModel(nn.Module):
         self.chunk_size: int | None = None
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, visual_rows: torch.Tensor | None = None,
-                deepstack: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+                deepstack: Sequence[torch.Tensor] = (),
+                check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
         """`inputs_embeds` (1, L, hidden), `positions` (3, L) -> the residual stream after the last layer.
 
         `deepstack[i]` is added to the `visual_rows` after layer i; the last layer's output is read before any
-        addition (the reference records `hidden_states[i + 1]` before it too).
+        addition (the reference records `hidden_states[i + 1]` before it too). `check_interrupt()` (optional) runs
+        before every layer and after every row chunk, and may raise to stop.
         """
         cos, sin = self.rotary(positions)
         x = inputs_embeds
-        chunks = RowChunks(self.chunk_size)
+        chunks = RowChunks(self.chunk_size, check_interrupt=check_interrupt)
         last = len(self.layers) - 1
         residency = self.block_residency
         residency.begin_pass()
         try:
             for index, layer in enumerate(self.layers):
+                if check_interrupt is not None:
+                    check_interrupt()
                 residency.acquire(index)  # layer `index` on the device (and the next `prefetch` on their way)
                 x = layer(x, cos, sin, chunks)
                 residency.release(index)
@@ -368,8 +372,10 @@ class TextEncoder(nn.Module):
         return self.language_model.embed_tokens.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, images: Sequence[PreparedImage] = (),
-                image_spans: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
-        """Token ids (L,) and, for each image, its prepared patches and its pad run -> states (L, hidden)."""
+                image_spans: Sequence[tuple[int, int]] = (),
+                check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """Token ids (L,) and, for each image, its prepared patches and its pad run -> states (L, hidden).
+        `check_interrupt()` (optional) runs between the vision blocks, the decoder layers and their row chunks."""
         if len(images) != len(image_spans):
             raise H3Error(f"{len(images)} prepared images but {len(image_spans)} image spans in the tokens.")
         device = self.device
@@ -387,7 +393,7 @@ class TextEncoder(nn.Module):
                 raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
                               "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
             with self.weight_phases.phase("vision"):
-                merged, deepstack = self.vision_tower(images)
+                merged, deepstack = self.vision_tower(images, check_interrupt)
             visual_rows = torch.cat([torch.arange(s, s + n) for s, n in image_spans]).to(device)
             if merged.shape[0] != visual_rows.numel():
                 raise H3Error(f"the images give {merged.shape[0]} vision features but the tokens hold "
@@ -397,7 +403,7 @@ class TextEncoder(nn.Module):
             positions = multimodal_positions(ids.numel(), image_spans, merged_grids).to(device)
         else:
             positions = text_positions(ids.numel(), device)
-        return self.language_model(x, positions, visual_rows, deepstack)[0]
+        return self.language_model(x, positions, visual_rows, deepstack, check_interrupt)[0]
 
     def close(self, restore: bool = True) -> None:
         """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
@@ -409,10 +415,12 @@ class TextEncoder(nn.Module):
         self.weight_phases = PhaseScopedWeights()
 
     @torch.no_grad()
-    def encode(self, prompt: str, images=()) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, prompt: str, images=(), *,
+               check_interrupt: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`hidden_states[layer]` of the presentation of `prompt` with keyframe `images` in front, and the per-token
         DiT tags (1 text, 0 vision block; a CPU tensor). Images: PIL images, HWC uint8 arrays, or [H, W, C] /
-        [B, H, W, C] tensors in [0, 1] (ComfyUI IMAGE; each batch item is one keyframe)."""
+        [B, H, W, C] tensors in [0, 1] (ComfyUI IMAGE; each batch item is one keyframe). `check_interrupt()`
+        (optional) runs between layers and row chunks and may raise to stop; the encoder stays usable."""
         if self.tokenizer is None:
             raise H3Error("this text encoder has no tokenizer; load it with h3_core.load_text_encoder(..., "
                           "tokenizer=<tokenizer.json>).")
@@ -422,15 +430,17 @@ class TextEncoder(nn.Module):
                           "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
         prepared = [prepare_image(image, self.image_processor, index=i + 1) for i, image in enumerate(images)]
         presentation = self.tokenizer.present(prompt, [image.num_tokens for image in prepared])
-        states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans)
+        states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans, check_interrupt)
         return states, torch.tensor(presentation.tags, dtype=torch.long)
 
 
     @torch.no_grad()
-    def encode_references(self, prompt: str, references) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_references(self, prompt: str, references, *,
+                          check_interrupt: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The Ref2VA presentation's `hidden_states[layer]` and tags. `references`, in request order:
         `("image", image)`, `("video", sampled frames, block seconds, has_audio)` (the 2 fps frames and one time
-        per merged pair) or `("audio",)` (a label only: audio never enters the encoder)."""
+        per merged pair) or `("audio",)` (a label only: audio never enters the encoder). `check_interrupt` as
+        `encode`'s."""
         if self.tokenizer is None:
             raise H3Error("this text encoder has no tokenizer; load it with h3_core.load_text_encoder(..., "
                           "tokenizer=<tokenizer.json>).")
@@ -461,7 +471,7 @@ class TextEncoder(nn.Module):
             else:
                 raise H3Error(f"reference kind must be 'image', 'video' or 'audio', got {kind!r}.")
         presentation = self.tokenizer.present_references(prompt, tokens)
-        states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans)
+        states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans, check_interrupt)
         return states, torch.tensor(presentation.tags, dtype=torch.long)
 
 

@@ -257,10 +257,18 @@ class EncoderLevel(nn.Module):
         self.downsample = (Downsample(out_channels, temporal_stride, spatial_stride)
                            if temporal_stride * spatial_stride > 1 else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """`check_interrupt()` (optional) runs before every block and the downsampling (a 256 px tile's first level
+        took about a second on 2 loaded CPU cores even at the tiny model's widths)."""
         for block in self.block:
+            if check_interrupt is not None:
+                check_interrupt()
             x = block(x)
-        return self.downsample(x) if self.downsample is not None else x
+        if self.downsample is None:
+            return x
+        if check_interrupt is not None:
+            check_interrupt()
+        return self.downsample(x)
 
 
 class VideoEncoder(nn.Module):
@@ -278,10 +286,11 @@ class VideoEncoder(nn.Module):
         self.norm_out = FrameGroupNorm(c.norm_num_groups, widths[-1], eps=c.norm_eps)
         self.conv_out = CausalConv3d(widths[-1], 2 * c.latent_channels, 3, spatial_padding=1, temporal_padding=2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """`check_interrupt()` (optional) runs inside every level (see `EncoderLevel`) and may raise to stop."""
         x = self.conv_in(x)
         for level in self.down:
-            x = level(x)
+            x = level(x, check_interrupt)
         return self.conv_out(F.silu(self.norm_out(x)))
 
 
@@ -408,7 +417,9 @@ class VideoDecoder(nn.Module):
         # load_video_vae(residency="layerwise") replaces it with a manager that streams them (see residency.py).
         self.block_residency = AllResident(c.decoder_num_layers)
 
-    def forward(self, latent: torch.Tensor) -> torch.Tensor:
+    def forward(self, latent: torch.Tensor, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """`check_interrupt()` (optional) runs before every block and may raise to stop (the streamed blocks are
+        released)."""
         c = self.config
         batch, channels, frames, height, width = latent.shape
         tokens = latent.permute(0, 2, 3, 4, 1).reshape(batch, frames * height * width, channels)
@@ -424,6 +435,8 @@ class VideoDecoder(nn.Module):
         residency.begin_pass()
         try:
             for index, block in enumerate(self.transformer_blocks):
+                if check_interrupt is not None:
+                    check_interrupt()
                 residency.acquire(index)  # block `index` on the device (and the next `prefetch` on their way)
                 x = block(x, rope)
                 residency.release(index)
@@ -583,13 +596,14 @@ class VideoVAE(nn.Module):
 
     # ---- one clip ---------------------------------------------------------------------------------------------------
 
-    def encode_clip(self, pixels: torch.Tensor) -> torch.Tensor:
+    def encode_clip(self, pixels: torch.Tensor, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
         """Posterior moments `[B, 2C, t, h, w]` of one clip of ImageNet-normalised pixels `[B, 3, f, H, W]`, tiled.
 
         With layerwise residency the encoder's weights exist only inside the "encoder" phase, which `encode` opens.
+        `check_interrupt()` (optional) runs before every encoder level of every tile.
         """
         def moments(x):
-            return self.quant_conv(self.encoder(x))
+            return self.quant_conv(self.encoder(x, check_interrupt))
 
         if not self.tiling.enabled:
             return moments(pixels)
@@ -603,12 +617,13 @@ class VideoVAE(nn.Module):
         return stitch_tiles(tile, [n // ratio for n in yl], [n // ratio for n in xl], [o // ratio for o in yo],
                             [o // ratio for o in xo])
 
-    def decode_clip(self, latent: torch.Tensor) -> torch.Tensor:
-        """ImageNet-normalised pixels `[B, 3, 4t, 16h, 16w]` of one clip of raw latents `[B, C, t, h, w]`, tiled."""
+    def decode_clip(self, latent: torch.Tensor, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """ImageNet-normalised pixels `[B, 3, 4t, 16h, 16w]` of one clip of raw latents `[B, C, t, h, w]`, tiled.
+        `check_interrupt()` (optional) runs before every decoder block of every tile."""
         def pixels(z):
             z = self.post_quant_conv(z)
             with self.autocast.context():
-                return self.decoder(z)
+                return self.decoder(z, check_interrupt)
 
         if not self.tiling.enabled:
             return pixels(latent)
@@ -665,12 +680,15 @@ class VideoVAE(nn.Module):
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, *, out: torch.Tensor | None = None,
-               output_device: torch.device | str = "cpu") -> torch.Tensor:
+               output_device: torch.device | str = "cpu",
+               check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
         """Normalised latent `[B, C, T, H/16, W/16]` -> frames `[B, F, H, W, 3]` float32 in [0, 1].
 
         Clips are decoded one at a time; each finished run of frames is de-normalised, clamped and copied into `out`
         (allocated on `output_device` when not given), so the device never holds more than one clip.
         A single latent frame decodes to the last of its 4 frames (the reference's image path).
+        `check_interrupt()` (optional) runs before every decoder block of every tile and may raise to stop; `out`
+        then holds the frames decoded so far and the model is left as it was.
         """
         c = self.config
         if not isinstance(latent, torch.Tensor) or latent.ndim != 5 or latent.shape[1] != c.latent_channels \
@@ -698,12 +716,16 @@ class VideoVAE(nn.Module):
             count = min(part.shape[2], plan.output_frames - written)
             if count <= 0:
                 return
-            frames_rgb = (part[:, :, :count].float() * px_std + px_mean).clamp(0, 1)
-            out[:, written:written + count].copy_(frames_rgb.permute(0, 2, 3, 4, 1))
-            written += count
+            # Frame by frame, an interrupt check between: 17 frames at 1920x1088 are 400 MB, seconds to convert.
+            for index in range(count):
+                if check_interrupt is not None:
+                    check_interrupt()
+                frame_rgb = (part[:, :, index:index + 1].float() * px_std + px_mean).clamp(0, 1)
+                out[:, written:written + 1].copy_(frame_rgb.permute(0, 2, 3, 4, 1))
+                written += 1
 
         if frames == 1:
-            emit(self.decode_clip(z)[:, :, -1:])
+            emit(self.decode_clip(z, check_interrupt)[:, :, -1:])
             return out
 
         if plan.pad_tokens:
@@ -712,7 +734,7 @@ class VideoVAE(nn.Module):
         tail = None
         for i in range(plan.num_clips):
             start = i * chunk
-            clip = self.decode_clip(z[:, :, start:start + chunk + c.token_overlap])
+            clip = self.decode_clip(z[:, :, start:start + chunk + c.token_overlap], check_interrupt)
             head = clip[:, :, c.frame_pre_padding:clip_len]
             if tail is not None:
                 head = linear_blend(tail, head, c.frame_overlap, dim=2)
@@ -728,7 +750,8 @@ class VideoVAE(nn.Module):
         return out
 
     @torch.no_grad()
-    def encode(self, frames: torch.Tensor, *, posterior: str = "mean", seed: int = 42) -> torch.Tensor:
+    def encode(self, frames: torch.Tensor, *, posterior: str = "mean", seed: int = 42,
+               check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
         """Frames `[B, F, H, W, 3]` in [0, 1] -> normalised latent `[B, C, T, H/16, W/16]` (float32).
 
         17-frame clips (the last padded by repeating its last frame) are encoded one at a time and the last
@@ -738,7 +761,8 @@ class VideoVAE(nn.Module):
         `posterior="mean"` (ComfyUI's choice) takes the posterior mean. `posterior="sample"` is the reference
         pipeline's condition recipe (diffusers `encode_vae_condition`): `mean + exp(logvar / 2) * eps` with logvar
         clamped to [-30, 20] and eps drawn on the CPU from a generator seeded `seed` (42 in the release),
-        rounded to float16, then normalised.
+        rounded to float16, then normalised. `check_interrupt()` (optional) runs before every encoder level of every
+        tile and may raise to stop.
         """
         if posterior not in ("mean", "sample"):
             raise H3Error(f"posterior must be 'mean' or 'sample', got {posterior!r}.")
@@ -764,14 +788,14 @@ class VideoVAE(nn.Module):
         keep = c.latent_channels if posterior == "mean" else 2 * c.latent_channels
         with self.weight_phases.phase("encoder"):  # once for every clip and tile, not per tile
             if count == 1:
-                moments = self.encode_clip(clip_pixels(0, 1))[:, :keep, -1:]
+                moments = self.encode_clip(clip_pixels(0, 1), check_interrupt)[:, :keep, -1:]
             else:
                 parts = []
                 for start in range(0, count, c.clip_length):
                     x = clip_pixels(start, min(start + c.clip_length, count))
                     if x.shape[2] < c.clip_length:
                         x = torch.cat((x, x[:, :, -1:].expand(-1, -1, c.clip_length - x.shape[2], -1, -1)), dim=2)
-                    parts.append(self.encode_clip(x)[:, :keep])
+                    parts.append(self.encode_clip(x, check_interrupt)[:, :keep])
                 moments = torch.cat(parts, dim=2)
                 if c.token_drop:
                     moments = moments[:, :, : -c.token_drop]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -473,8 +473,10 @@ class VisionTower(nn.Module):
         angles = torch.cat((coords[:, :1] * inv_freq, coords[:, 1:] * inv_freq), dim=-1)
         return torch.cat((angles, angles), dim=-1).repeat(t, 1)
 
-    def forward(self, images: Sequence[PreparedImage]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Prepared images -> merged tokens `(sum tokens, out_hidden)` and one deep-stack tensor per tapped block."""
+    def forward(self, images: Sequence[PreparedImage],
+                check_interrupt: Callable[[], None] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Prepared images -> merged tokens `(sum tokens, out_hidden)` and one deep-stack tensor per tapped block.
+        `check_interrupt()` (optional) runs before every block and may raise to stop."""
         device = self.pos_embed.weight.device
         c = self.config
         for i, image in enumerate(images, start=1):
@@ -491,6 +493,8 @@ class VisionTower(nn.Module):
         lengths = [image.grid[1] * image.grid[2] for image in images for _ in range(image.grid[0])]
         deepstack = []
         for index, block in enumerate(self.blocks):
+            if check_interrupt is not None:
+                check_interrupt()
             x = block(x, cos, sin, lengths)
             if index in c.deepstack_visual_indexes:
                 merger = self.deepstack_merger_list[c.deepstack_visual_indexes.index(index)]

@@ -83,6 +83,17 @@ def compute_dtype(model) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
+def all_finite(tensor: torch.Tensor, check_interrupt: Callable[[], None] | None = None, *, step: int = 16) -> bool:
+    """`torch.isfinite(tensor).all()`, `step` entries of the first dimension at a time with `check_interrupt()`
+    between: 15 s of decoded 1920x1088 frames are 9 GB, seconds to scan in one call."""
+    for start in range(0, tensor.shape[0], step):
+        if check_interrupt is not None:
+            check_interrupt()
+        if not torch.isfinite(tensor[start:start + step]).all():
+            return False
+    return True
+
+
 def check_finite_latents(latent: torch.Tensor, kind: str) -> None:
     if not torch.isfinite(latent).all():
         raise H3Error(f"the {kind} latents given to decode contain NaN or Inf values, so there is nothing to decode: "
@@ -239,10 +250,12 @@ class H3Pipeline:
     # -- phases --------------------------------------------------------------------------------------------------
 
     @serialised
-    def encode_prompt(self, request: GenerationRequest | str, /, **fields) -> Conditioning:
+    def encode_prompt(self, request: GenerationRequest | str, /, *, check_interrupt: Callable[[], None] | None = None,
+                      **fields) -> Conditioning:
         """The text-encode phase of a request (`GenerationRequest`, or a prompt and its fields as keywords). With
         references (and the Ref2VA transformer) it is the Ref2VA presentation: a label per reference in request
-        order, the vision blocks of images and videos."""
+        order, the vision blocks of images and videos. `check_interrupt()` runs between the encoder's layers and
+        row chunks and may raise to stop (the encoder is released as after a finished encode, unless kept)."""
         request = GenerationRequest.of(request, fields)
         references = request.normalised_references(canvas_rules(self.sources))
         if references:
@@ -255,12 +268,15 @@ class H3Pipeline:
             raise H3Error(f"the prompt is {tokens} tokens ({len(request.prompt)} characters); at most "
                           f"{MAX_PROMPT_TOKENS} are accepted (H3 was trained on prompts of a few hundred tokens). "
                           "Shorten it.")
-        if references:
-            states, tags = encoder.encode_references(request.prompt, self._text_encoder_view(references))
-        else:
-            states, tags = encoder.encode(request.prompt, keyframes)
-        if not self.keep_text_encoder:
-            self.release("text_encoder")
+        try:
+            if references:
+                states, tags = encoder.encode_references(request.prompt, self._text_encoder_view(references),
+                                                         check_interrupt=check_interrupt)
+            else:
+                states, tags = encoder.encode(request.prompt, keyframes, check_interrupt=check_interrupt)
+        finally:  # an interrupted encode leaves no more loaded than a finished one
+            if not self.keep_text_encoder:
+                self.release("text_encoder")
         if not torch.isfinite(states).all():
             raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
                                    "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
@@ -294,7 +310,8 @@ class H3Pipeline:
         `chunk_size` is None: e.g. a request plan's `dit_chunk_budget`) and `between_chunks` (run after every row
         chunk, e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting.
         None of them changes the model. The request's `loras` becomes the transformer's LoRA set before sampling
-        (`set_loras`, no reload; `()` is the base model) and stays until another call changes it; None keeps it."""
+        (`set_loras`, no reload; `()` is the base model) and stays until another call changes it; None keeps it.
+        `check_interrupt()` runs in the keyframe / reference encoding too."""
         if request is None:
             if cond.request is None:
                 raise H3Error("this conditioning carries no request: give the request to sample.")
@@ -307,13 +324,16 @@ class H3Pipeline:
         video_shift, audio_shift = request.video_shift, request.audio_shift
         schedule = Schedule.build(steps, video_shift, audio_shift)
         if cond.references:
-            condition_latents, reference_audio = self.encode_reference_latents(cond)
+            condition_latents, reference_audio = self.encode_reference_latents(cond, check_interrupt=check_interrupt)
         else:
-            condition_latents, reference_audio = self.encode_keyframes(cond), []
+            condition_latents, reference_audio = self.encode_keyframes(cond, check_interrupt=check_interrupt), []
         self.enter_phase("sampling")
         dit = self.component("transformer")
         if loras is not None and not has_loras(dit, loras):
             set_loras(dit, list(loras))
+        # The setup below takes about a second at 1920x1088, 15 s (220k rows): checked between its steps too.
+        if check_interrupt is not None:
+            check_interrupt()
         config = dit.config
         if cond.states.shape[-1] != config.text_dim:
             raise H3Error(f"the text encoder gives {cond.states.shape[-1]}-wide states but the transformer expects "
@@ -330,6 +350,8 @@ class H3Pipeline:
         noises, video_noise, audio_noise = initial_noise(
             shape.video, 2 * shape.audio_latents, shape.audio_latent_channels, seed,
             [c.shape for c in condition_latents])
+        if check_interrupt is not None:
+            check_interrupt()
         condition_rows = [patchify(noise_condition(c, n), config.patch_size)[0]
                           for c, n in zip(condition_latents, noises)]
         video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
@@ -355,16 +377,18 @@ class H3Pipeline:
         return sources
 
     @serialised
-    def encode_keyframes(self, cond: Conditioning) -> list[torch.Tensor]:
+    def encode_keyframes(self, cond: Conditioning, *,
+                         check_interrupt: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """The keyframe-encode phase: the video VAE's latent [1, 24, 1, H/16, W/16] of each keyframe, on the CPU
-        (none without keyframes, and then the phase does not run). `sample` calls it."""
+        (none without keyframes, and then the phase does not run). `sample` calls it. `check_interrupt()` runs
+        between the encoder's levels of every tile and may raise to stop."""
         if not cond.keyframes:
             return []
         self.enter_phase("keyframe encode")
         vae = self.component("video_vae")
         latents = []
         for index, image in enumerate(cond.keyframes):
-            latent = vae.encode(pil_to_frames(image).to(self.device)).float().cpu()
+            latent = vae.encode(pil_to_frames(image).to(self.device), check_interrupt=check_interrupt).float().cpu()
             if not torch.isfinite(latent).all():
                 which = cond.anchors[index] if index < len(cond.anchors) else str(index + 1)
                 raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
@@ -374,12 +398,15 @@ class H3Pipeline:
         return latents
 
     @serialised
-    def encode_reference_latents(self, cond: Conditioning) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def encode_reference_latents(
+            self, cond: Conditioning, *,
+            check_interrupt: Callable[[], None] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The reference-encode phases: the video VAE's latent of every image and video reference (request order;
         images `[1, 24, 1, h, w]`, videos cut down to 17k + 5 frames), with the reference's condition recipe (the
         posterior sampled with seed 42, rounded to float16); then the audio VAE's clean rows `[2 * Ta, 32]`
         (posterior mean, channel-major) of every audio reference and soundtrack. The encoders are released when
-        sampling starts (unless kept). `sample` calls it."""
+        sampling starts (unless kept). `sample` calls it. `check_interrupt()` runs between the encoders' layers and
+        may raise to stop."""
         refs = cond.references.references
         visual = []
         if any(ref.kind != "audio" for ref in refs):
@@ -393,7 +420,8 @@ class H3Pipeline:
                     frames = torch.from_numpy(ref.frames[:count].astype("float32") / 255.0)[None]
                 else:
                     continue
-                latent = vae.encode(frames.to(self.device), posterior="sample").float().cpu()
+                latent = vae.encode(frames.to(self.device), posterior="sample",
+                                    check_interrupt=check_interrupt).float().cpu()
                 if not torch.isfinite(latent).all():
                     raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
                                            f"reference encode ({ref.label}'s latent)", dtype=compute_dtype(vae),
@@ -406,7 +434,8 @@ class H3Pipeline:
             for ref in refs:
                 if not ref.has_audio:
                     continue
-                rows = audio_to_rows(vae.encode(ref.audio[None].to(self.device)).float().cpu())[0]
+                waveform = ref.audio[None].to(self.device)
+                rows = audio_to_rows(vae.encode(waveform, check_interrupt=check_interrupt).float().cpu())[0]
                 if not torch.isfinite(rows).all():
                     raise non_finite_error("the audio VAE's encoder", safetensors_files(self.sources.audio_vae),
                                            f"reference audio encode ({ref.label}'s latent)",
@@ -462,32 +491,36 @@ class H3Pipeline:
                           "one: load the model with partition='ref2va' (CLI: --partition ref2va).")
 
     @serialised
-    def decode_video(self, latents: Latents) -> torch.Tensor:
-        """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause."""
+    def decode_video(self, latents: Latents, *, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """Video latents -> frames [F, H, W, 3] float32 in [0, 1] on the CPU; NaN/Inf output names its cause.
+        `check_interrupt()` runs before every decoder block of every tile and may raise to stop."""
         check_finite_latents(latents.video, "video")
         self.enter_phase("video decode")
         vae = self.component("video_vae")
-        frames = vae.decode(latents.video.to(self.device))[0].float().cpu()
-        if not torch.isfinite(frames).all():
+        frames = vae.decode(latents.video.to(self.device), check_interrupt=check_interrupt)[0].float().cpu()
+        if not all_finite(frames, check_interrupt):
             raise non_finite_error("the video VAE", safetensors_files(self.sources.video_vae), "decoding",
                                    dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return frames.contiguous()
 
     @serialised
-    def decode_audio(self, latents: Latents) -> torch.Tensor:
-        """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length."""
+    def decode_audio(self, latents: Latents, *, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+        """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length.
+        `check_interrupt()` runs between the decoder's stages and blocks and may raise to stop."""
         check_finite_latents(latents.audio, "audio")
         self.enter_phase("audio decode")
         vae = self.component("audio_vae")
-        waveform = vae.decode(latents.audio.to(self.device))[0].float().cpu()
+        waveform = vae.decode(latents.audio.to(self.device), check_interrupt=check_interrupt)[0].float().cpu()
         if not torch.isfinite(waveform).all():
             raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding",
                                    dtype=compute_dtype(vae), config=getattr(vae, "config", None))
         return waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
 
     @serialised
-    def decode(self, latents: Latents) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.decode_video(latents), self.decode_audio(latents)
+    def decode(self, latents: Latents, *,
+               check_interrupt: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.decode_video(latents, check_interrupt=check_interrupt),
+                self.decode_audio(latents, check_interrupt=check_interrupt))
 
     @serialised
     def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
@@ -496,16 +529,17 @@ class H3Pipeline:
         keywords (`width`, `height`, `num_frames`, `steps`, `seed`, `first_frame`, `reference_images`, ...: see
         `GenerationRequest`). The request is checked before any component loads (the CLI's large-request preflight,
         `planning.request_estimate.estimate_request`, is left to the caller). References need the Ref2VA
-        transformer (`partition="ref2va"`)."""
+        transformer (`partition="ref2va"`). `check_interrupt()` runs in every phase (between layers, blocks, row
+        chunks, attention query calls and decoder tiles) and may raise to stop; the components stay usable."""
         request = GenerationRequest.of(request, fields)
         timings = {}
         started = time.perf_counter()
-        cond = self.encode_prompt(request)
+        cond = self.encode_prompt(request, check_interrupt=check_interrupt)
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
         latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
-        frames, waveform = self.decode(latents)
+        frames, waveform = self.decode(latents, check_interrupt=check_interrupt)
         timings["decode"] = time.perf_counter() - started
         return GenerationResult(frames, waveform, timings=timings)

@@ -131,8 +131,9 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
     condition rows are never updated. `audio_rows` likewise holds the (clean) reference audio rows of a Ref2VA
     request first (`num_condition_audio_rows`), then the target noise. `text_states` is `[L, text_dim]`. `progress(step, total)` is called after each
-    step (and with 0 before the first); `check_interrupt()`, called before each step and each block, may raise
-    to stop (it is also passed to the model as `before_block`: interruption is honoured within one block).
+    step (and with 0 before the first); `check_interrupt()`, called first, before each step and each block (the model's
+    `before_block`) and after every row chunk and attention query call (this run's `ChunkingPolicy.check_interrupt`;
+    the CPU bounds the work of one call), may raise to stop.
     `chunking` (a `ChunkingPolicy`) is this run's row chunking; None keeps the model's. Neither changes the model.
 
     `step_cache` (default on) does the step-invariant work once, before the first step: the refined text
@@ -140,12 +141,17 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     `DenoiseResult.step_cache_bytes`), so no step runs or fetches the text refiner or an AdaLN projection. Built per
     call, so it always has the model's current LoRAs. The outputs are bitwise those of `step_cache=False`.
     """
+    if check_interrupt is not None:
+        check_interrupt()
     check_finite_inputs(text_states, schedule, video_rows, audio_rows)
     device = next(iter(model.parameters())).device
     kwargs = {k: v.to(device) for k, v in layout.model_kwargs().items()}
     before_block = None
     if check_interrupt is not None:
         before_block = kwargs["before_block"] = lambda index: check_interrupt()
+        policy = chunking if chunking is not None else getattr(model, "chunking", None)
+        if policy is not None:  # a copy for this run: the model's own policy never holds a caller's check
+            chunking = dataclasses.replace(policy, check_interrupt=check_interrupt)
     if chunking is not None:
         kwargs["chunking"] = chunking
     text = text_states[None].to(device)
@@ -179,7 +185,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                     raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()),
                                            f"step {i + 1} of {total} (its {name} velocity output)",
                                            dtype=getattr(model, "residual_dtype", None),
-                                           config=getattr(model, "config", None))
+                                           config=getattr(model, "config", None), loras=getattr(model, "loras", ()))
             video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
                                     schedule.video_sigmas[i + 1])
             audio[na:] = euler_step(audio[na:], v_audio[0, na:], t_audio, schedule.audio_sigmas[i],
@@ -235,9 +241,11 @@ def non_finite_config_value(config, prefix: str = "", depth: int = 0) -> tuple[s
 
 
 def non_finite_error(component: str, checkpoint_files, where: str, *, dtype: torch.dtype | None = None,
-                     config=None) -> H3Error:
+                     config=None, loras=()) -> H3Error:
     """An output of `component` came out NaN/Inf at `where`: name the checkpoint tensor or config value responsible
-    when there is one, else give the advice that fits the dtype the component ran in."""
+    when there is one, else the LoRAs folded into it (`loras`: (file, strength), ...; their factors were checked
+    finite when read, but their change can still overflow) and the advice that fits the dtype the component ran
+    in."""
     from ..checkpoints.safetensors_io import first_non_finite
 
     culprit = first_non_finite(checkpoint_files)
@@ -250,4 +258,11 @@ def non_finite_error(component: str, checkpoint_files, where: str, *, dtype: tor
         name, number = value
         return H3Error(f"{component} produced NaN/Inf at {where}: its config sets {name} = {number}. Give it a finite "
                        "value (the released config's) in the component's config.")
+    folded = [(path, strength) for path, strength in loras if strength != 0]
+    if folded:
+        named = ", ".join(f"{path} at strength {strength:g}" for path, strength in folded)
+        return H3Error(f"{component} produced NaN/Inf at {where} although its weights and LoRA factors are finite, "
+                       f"with {'this LoRA' if len(folded) == 1 else 'these LoRAs'} folded in: {named}. A LoRA's change "
+                       "can push the numbers out of range: run without it, or at a lower strength, to tell; if that "
+                       f"runs clean, the LoRA does not suit this model. Otherwise {overflow_advice(dtype)}")
     return H3Error(f"{component} produced NaN/Inf at {where} although its weights are finite: {overflow_advice(dtype)}")

@@ -49,6 +49,9 @@ class ChunkingBackend:
     chunk (MPS SDPA silently corrupts long non-causal attention with larger query blocks).
     `min_query_rows`: the attention query pass of a chunked forward takes at least this many rows per call, when
     the kernel is slower on fewer (its workspace does not grow with them, so only q and the output rows do).
+    `max_attention_work`: the most query rows x key rows x inner dim (x batch) one attention call may multiply,
+    and `max_chunk_rows` the most rows a chunk of a derived size (no explicit chunk size) holds, so that an interrupt
+    check (or Ctrl-C) between calls lands in a fraction of a second; None sets no bound.
     """
 
     name: str
@@ -57,6 +60,8 @@ class ChunkingBackend:
     long_sequence_rows: int | None = None
     max_long_sequence_query_rows: int | None = None
     min_query_rows: int = 1
+    max_attention_work: int | None = None
+    max_chunk_rows: int | None = None
 
 
 # ---- streams and events of a device that runs work in issue order ------------------------------------------------
@@ -226,7 +231,11 @@ class _Facts:
 _FACTS = {
     # ATen's CPU flash attention tiles queries by 256 rows from 768 query rows up, by 64 (or 32) below, and streams
     # all of K and V once per tile: 256-row calls at 12,432 keys were 14 % slower than 768-row calls (same work).
-    "cpu": _Facts(_HostOps, ChunkingBackend("cpu", min_query_rows=768), has_index=False),
+    # One fused attention call over 220k rows (1920x1088, 15 s) took 5 minutes on 2 cores, uninterruptible; at
+    # about 16e9 multiplied products a second there, 2**32 of them is a quarter-second call. A block's row passes
+    # (norms, modulation, projections, MLP) took about 9 us a row at the tiny model's widths: 32,768 rows, 0.3 s.
+    "cpu": _Facts(_HostOps, ChunkingBackend("cpu", min_query_rows=768, max_attention_work=2**32,
+                                            max_chunk_rows=32_768), has_index=False),
     # The reference decodes under fp16 autocast on CUDA only (sglang `autocast_enabled_for_device`).
     "cuda": _Facts(_CudaOps, ChunkingBackend("cuda"), asynchronous_copies=True, decode_autocast=torch.float16),
     "mps": _Facts(_MpsOps, ChunkingBackend("mps", materializes_scores=True, max_buffer_bytes=4 * GiB,
