@@ -208,6 +208,56 @@ def remote_cancel(server: str, engine) -> bool:
     return ok
 
 
+def large_request_cancel(server: str, example: dict, interrupt_in: str, after_s: float) -> bool:
+    """The tiny T2VA example at 1920x1088, 15 s: `after_s` seconds into node `interrupt_in` (a class type), Cancel
+    (/interrupt) must end the run within 2 s (from the POST to the server's `execution_interrupted`), and the next
+    prompt must run. Before: 260 s, one transformer block at this size."""
+    import asyncio
+
+    import aiohttp
+
+    prompt = json.loads(json.dumps(example))
+    node_ids = {v["class_type"]: k for k, v in prompt.items()}
+    prompt[node_ids["H3StreamEncodePrompt"]]["inputs"].update(width=1920, height=1088, seconds=15)
+    prompt[node_ids["H3StreamAVSampler"]]["inputs"].update(steps=2, seed=int(time.time()))
+
+    async def run() -> tuple[float | None, str]:
+        client = str(uuid.uuid4())
+        async with aiohttp.ClientSession() as session:
+            socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
+            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+            sent = None
+            async for message in socket:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                data = json.loads(message.data)
+                kind, body = data.get("type"), data.get("data", {})
+                if body.get("prompt_id") not in (None, prompt_id):
+                    continue
+                if kind == "executing" and body.get("node") == node_ids[interrupt_in] and sent is None:
+                    await asyncio.sleep(after_s)
+                    async with session.post(f"{server}/interrupt", json={}) as answer:
+                        await answer.read()
+                    sent = time.perf_counter()
+                elif kind == "execution_interrupted":
+                    return (None if sent is None else time.perf_counter() - sent), body.get("node_type", "?")
+                elif kind in ("execution_success", "execution_error"):
+                    return None, kind
+        return None, "socket closed"
+
+    latency, where = asyncio.run(asyncio.wait_for(run(), timeout=3600))
+    example = json.loads(json.dumps(example))
+    example[node_ids["H3StreamAVSampler"]]["inputs"]["seed"] = int(time.time()) + 1
+    queued = call(f"{server}/prompt", {"prompt": example, "client_id": str(uuid.uuid4())})
+    after = wait_for(server, queued["prompt_id"])["status"]["status_str"]
+    ok = latency is not None and latency <= 2.0 and after == "success"
+    shown = f"{latency:.2f} s" if latency is not None else f"not interrupted ({where})"
+    print(f"cancel of 1920x1088 15 s, {after_s:g} s into {interrupt_in}: {shown} (interrupted in {where}); the next "
+          f"prompt: {after}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
 def start_engines(work: Path) -> list:
     """SGLang's and vLLM-Omni's own servers, those whose venv is built (each says so when it is not)."""
     from engine_servers import SGLangServer, VllmOmniServer, unavailable
@@ -289,7 +339,14 @@ def main() -> int:
     failures += not fails_when_run(server, prompt, "width 33 is not a positive multiple of 32 pixels; use 32 or 64")
     example[sampler]["inputs"]["seed"] = int(time.time())  # not a cached result: the nodes must run
     failures += not only_the_queuing_client_hears(server, example)
+    for node, after_s in CANCEL_POINTS:
+        failures += not large_request_cancel(server, example, node, after_s)
     return 1 if failures else 0
+
+
+# Where the large request is cancelled: the first steps of text encoding, inside a transformer block's attention, in
+# the video decode (each a fresh run).
+CANCEL_POINTS = (("H3StreamEncodePrompt", 0.5), ("H3StreamAVSampler", 5.0), ("H3StreamDecodeVideo", 5.0))
 
 
 if __name__ == "__main__":
