@@ -19,6 +19,7 @@ from .checkpoints.video_vae_loader import load_video_vae
 from .errors import CheckpointError, H3Error, PickleCheckpointError
 from .models.dit import H3DiT
 from .models.dit_config import H3DiTConfig
+from .step_cache_settings import STEP_CACHE_PRESETS, StepCacheSettings, step_cache_settings
 from .models.text_encoder import TextEncoder
 from .models.tokenizer import H3Tokenizer
 from .pipeline.layout import PackedLayout, build_packed_layout, patchify, unpatchify
@@ -58,7 +59,9 @@ __all__ = [
     "Platform",
     "Residency",
     "ResidencyError",
+    "STEP_CACHE_PRESETS",
     "Schedule",
+    "StepCacheSettings",
     "TextEncoder",
     "build_packed_layout",
     "check_admission",
@@ -78,6 +81,7 @@ __all__ = [
     "read_lora",
     "resolve_dit_checkpoint",
     "row_timesteps",
+    "step_cache_settings",
     "set_loras",
     "sigma_schedule",
     "unpatchify",

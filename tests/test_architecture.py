@@ -31,7 +31,7 @@ LAYERS = {
     "app": ("base", "runtime", "models", "checkpoints", "request", "sources", "planning", "pipeline", "remote"),
 }
 BASE_MODULES = {"h3_core.errors", "h3_core.components", "h3_core.json_values", "h3_core.settings",
-                "h3_core.staged_files"}
+                "h3_core.staged_files", "h3_core.step_cache_settings"}
 FACADE = {"h3_core", "h3_core.__main__"}
 PLATFORM_MODULE = "h3_core.runtime.platform"
 
@@ -258,10 +258,10 @@ class _Widths:
 PUBLIC_NAMES = (
     "AdmissionError AllResident BlockResidency CheckpointError ComponentPlan ChunkingBackend ChunkingError "
     "ChunkingPolicy EveryNChunks H3DiT H3DiTConfig H3Error H3Tokenizer LatentShape LayerwiseOffloadManager "
-    "LoraError PackedLayout PhaseScopedWeights PickleCheckpointError Platform Residency ResidencyError Schedule TextEncoder "
+    "LoraError PackedLayout PhaseScopedWeights PickleCheckpointError Platform Residency ResidencyError STEP_CACHE_PRESETS Schedule StepCacheSettings TextEncoder "
     "build_packed_layout check_admission chunk_rows_for_budget denoise ensure_tiny_model euler_step "
     "frames_for_seconds initial_noise layerwise_manager load_audio_vae load_dit load_text_encoder load_video_vae patchify "
-    "plan_for_budget read_lora resolve_dit_checkpoint row_timesteps set_loras sigma_schedule unpatchify"
+    "plan_for_budget read_lora resolve_dit_checkpoint row_timesteps set_loras sigma_schedule step_cache_settings unpatchify"
 ).split()
 
 

@@ -37,7 +37,7 @@ def test_interrupt_mid_step_releases_every_streamed_block(streamed):
 
     def interrupt():
         calls.append(1)
-        # 3 checks in the sampling setup, 1 before the step cache, 2 in it, 1 + 2 in step 1: step 2, block 0
+        # 3 checks in the sampling setup, 1 before the precompute, 2 in it, 1 + 2 in step 1: step 2, block 0
         if len(calls) == 11:
             raise Stop()
 

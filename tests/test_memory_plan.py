@@ -69,7 +69,7 @@ def test_small_budget_streams_and_chunks(sources, transformer_dominated):
     # Lower and lower budgets: first the blocks stream, then the per-chunk temporaries get what is left, until
     # nothing fits. Every accepted plan stays within its budget.
     seen = set()
-    budget = roomy.phase("sampling").total_bytes  # its weights, activations and step-cache tables
+    budget = roomy.phase("sampling").total_bytes  # its weights, activations and precomputed AdaLN tables
     assert budget == dit.device_bytes() + dit.host_table_bytes
     while True:
         budget -= 50_000

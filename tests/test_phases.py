@@ -215,7 +215,7 @@ def test_host_store_and_staging_rings_are_items_of_every_phase_they_live_in():
 
 def test_a_streamed_phase_peaks_at_its_largest_part():
     """Phase-scoped weights live in their own part, the AdaLN stack in its pass, the blocks with the activations
-    and the step-cache tables; a kept transformer's ring outlives its passes on the CPU."""
+    and the precomputed AdaLN tables; a kept transformer's ring outlives its passes on the CPU."""
     dit = ComponentEstimate("transformer", 200 * MiB, 10 * MiB, 60 * MiB, 8 * MiB, True, residency="layerwise",
                             scoped_bytes={"text": 50 * MiB}, companion_unit_bytes=6 * MiB, host_table_bytes=3 * MiB)
     spec = PhaseSpec("sampling", "transformer", parts=("text", "AdaLN plan", "blocks"),

@@ -1,32 +1,24 @@
-"""The sampling loop's step cache: the refined text and every block's AdaLN tables, computed once per `denoise`.
-
-The oracle is the same loop with the cache off (`step_cache=False`, the per-step computation): on the CPU the
-outputs must be bitwise equal, resident and layerwise, fused and chunked, float32 and bf16 (fp32 islands, bf16
-residual), with and without a LoRA on the AdaLN projections and the text refiner. A census of the weights
-materialised inside the loop shows that the cached loop never fetches an AdaLN projection or the refiner.
-"""
+"""The step cache (DBCache over the H3 transformer): off and a threshold of 0 are bitwise the uncached loop; the hit /
+miss decisions, the measured changes and the outputs equal cache-dit 1.5.3's own `CachedBlocks_Pattern_3_4_5` driving
+the same blocks (the oracle); a streamed model neither materialises nor reads the blocks a hit skips."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import h3_core
-from h3_core import ChunkingPolicy, Schedule, build_packed_layout, row_timesteps
+from h3_core import ChunkingPolicy, Schedule, build_packed_layout
+from h3_core.errors import H3Error
+from h3_core.request.generation_request import GenerationRequest
+from h3_core.models.step_cache import StepCacheRun
+from h3_core.step_cache_settings import STEP_CACHE_PRESETS, StepCacheSettings, step_cache_settings
 from offload_fixtures import SMALL, random_state, save_native
 
 N = SMALL.num_layers
-ADALN_OUT = 18 * SMALL.hidden_size
-STEPS = 5  # grid points: 4 model calls
-# (module, rows, columns): two blocks' AdaLN projections, one block's attention, the refiner, the condition projection.
-LORA_TARGETS = (
-    ("blocks.0.adaln_proj.linear", ADALN_OUT, SMALL.time_embed_dim),
-    ("blocks.4.adaln_proj.linear", ADALN_OUT, SMALL.time_embed_dim),
-    ("blocks.1.attn.qkv_proj", 3 * SMALL.inner_dim, SMALL.hidden_size),
-    ("token_refiner.blocks.0.mlp.fc1", 2 * SMALL.ffn_dim, SMALL.hidden_size),
-    ("condition_proj", SMALL.hidden_size, SMALL.text_dim),
-)
+STEPS = 13  # 12 model calls
+QUALITY = STEP_CACHE_PRESETS["quality"]  # Fn 1, Bn 0, threshold 0.04, warm-up 4, at most 1 in a row
+WIDER = StepCacheSettings(first_blocks=2, last_blocks=1, threshold=0.08, warmup_steps=2, max_consecutive=2)
 
 
 @pytest.fixture(scope="module")
@@ -35,182 +27,198 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory):
-    g = torch.Generator().manual_seed(8)
-    state = {}
-    for module, rows, cols in LORA_TARGETS:
-        state[f"{module}.lora_A.weight"] = torch.randn(4, cols, generator=g) / cols ** 0.5
-        state[f"{module}.lora_B.weight"] = torch.randn(rows, 4, generator=g) * 0.3
-    path = tmp_path_factory.mktemp("step_cache_lora") / "adaln.safetensors"
-    save_file(state, str(path))
-    return path
-
-
-@pytest.fixture(scope="module")
 def request_():
-    """An FL2VA-shaped request (two keyframe anchors: condition rows at 0.999, so up to 3 distinct timesteps)."""
     g = torch.Generator().manual_seed(3)
-    layout = build_packed_layout(torch.ones(6, dtype=torch.long), 3, 4, 6, 4, ("first", "last"))
+    layout = build_packed_layout(torch.ones(6, dtype=torch.long), 3, 4, 6, 4, ())
     video = torch.randn(layout.video_indices.numel(), SMALL.video_patch_dim, generator=g)
     audio = torch.randn(8, SMALL.audio_in_channels, generator=g)
     text = torch.randn(6, SMALL.text_dim, generator=g)
     return text, layout, video, audio
 
 
-def load(checkpoint, residency, dtype, lora=None):
-    options = dict(residency="layerwise", prefetch=1, resident_blocks=1) if residency == "layerwise" else {}
-    return h3_core.load_dit(checkpoint, dtype=dtype, loras=[(lora, 0.7)] if lora else None, **options)
+def load(checkpoint, residency="resident", dtype=torch.float32):
+    options = dict(residency="layerwise", prefetch=1) if residency == "layerwise" else {}
+    return h3_core.load_dit(checkpoint, dtype=dtype, **options)
 
 
 def sample(model, request_, **options):
     text, layout, video, audio = request_
-    return h3_core.denoise(model, text, layout, Schedule.build(STEPS), video, audio,
-                           num_condition_video_rows=layout.num_condition_video_rows, **options)
+    return h3_core.denoise(model, text, layout, Schedule.build(STEPS), video, audio, **options)
 
 
 def same(a, b) -> bool:
     return torch.equal(a.video_rows, b.video_rows) and torch.equal(a.audio_rows, b.audio_rows)
 
 
-def calls(layout):
-    """(distinct timesteps [M], index of every row) of each model call."""
-    schedule = Schedule.build(STEPS)
-    return [row_timesteps(layout, float(tv), float(ta)) for tv, ta in zip(schedule.video_timesteps,
-                                                                          schedule.audio_timesteps)]
+# ---- off is the uncached path ---------------------------------------------------------------------------------------
 
 
-def call_timesteps(layout):
-    return [timestep for timestep, _ in calls(layout)]
+@pytest.mark.parametrize("residency", ["resident", "layerwise"])
+def test_off_and_a_zero_threshold_are_bitwise_the_uncached_loop(checkpoint, request_, residency):
+    model = load(checkpoint, residency)
+    for chunking in (None, ChunkingPolicy(chunk_size=8)):
+        plain = sample(model, request_, chunking=chunking)
+        assert plain.step_cache is None
+        assert same(plain, sample(model, request_, chunking=chunking, step_cache=step_cache_settings("off")))
+        zero = sample(model, request_, chunking=chunking,
+                      step_cache=StepCacheSettings(1, 0, 0.0, 0, -1))
+        assert same(plain, zero) and zero.step_cache.hits == 0
+        assert zero.step_cache.blocks_run == [N] * (STEPS - 1)
 
 
-# ---- bitwise neutrality -------------------------------------------------------------------------------------------
+def test_the_request_default_is_off_and_presets_resolve():
+    request = GenerationRequest("a fox", width=96, height=64, num_frames=5, steps=3)
+    assert request.step_cache is None
+    assert request.replace(step_cache="fast").step_cache == STEP_CACHE_PRESETS["fast"]
+    assert request.replace(step_cache=" Quality ").step_cache == QUALITY
+    custom = step_cache_settings("quality", threshold=0.1)
+    assert custom.threshold == 0.1 and custom.first_blocks == 1 and custom.name == "custom"
 
 
-@pytest.mark.parametrize("with_lora", [False, True], ids=["base", "lora"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_cached_loop_is_bitwise_the_per_step_loop(checkpoint, lora, request_, dtype, with_lora):
-    chunked = ChunkingPolicy(chunk_size=8)
-    results = {}
-    for residency in ("resident", "layerwise"):
-        model = load(checkpoint, residency, dtype, lora if with_lora else None)
-        for name, chunking in (("fused", None), ("chunked", chunked)):
-            cached = sample(model, request_, chunking=chunking)
-            per_step = sample(model, request_, chunking=chunking, step_cache=False)
-            assert cached.step_cache_bytes > 0 and per_step.step_cache_bytes == 0
-            assert same(cached, per_step), (residency, name)
-            results[residency, name] = cached
-        model.close()
-    # Layerwise streaming (AdaLN projections apart) is bitwise the resident model, cached or not.
-    for name in ("fused", "chunked"):
-        assert same(results["layerwise", name], results["resident", name])
-    assert not same(results["resident", "fused"], sample(load(checkpoint, "resident", dtype,
-                                                              None if with_lora else lora), request_))
+# ---- cache-dit as the oracle ----------------------------------------------------------------------------------------
 
 
-def test_the_cache_follows_a_lora_change_on_the_adaln_projections(checkpoint, lora, request_):
-    """Built per `denoise` call: a LoRA set or removed between runs is in the next run's tables."""
-    for residency in ("resident", "layerwise"):
-        model = load(checkpoint, residency, torch.float32)
-        base = sample(model, request_)
-        h3_core.set_loras(model, [(lora, 0.7)])
-        with_lora = sample(model, request_)
-        assert same(with_lora, sample(model, request_, step_cache=False))
-        assert not same(with_lora, base)
-        h3_core.set_loras(model, [])
-        assert same(sample(model, request_), base)
-        model.close()
+def cache_dit_run(checkpoint, request_, settings: StepCacheSettings, dtype=torch.float32):
+    """The uncached loop with the block stack replaced by cache-dit's DBCache wrapper of the same blocks: cache-dit
+    decides every hit and does the cached arithmetic. The blocks get the same arguments in every call (the AdaLN
+    tables projected in each block: `precompute=False`)."""
+    from cache_dit.caching.cache_blocks.pattern_3_4_5 import CachedBlocks_Pattern_3_4_5
+    from cache_dit.caching.cache_contexts.cache_config import DBCacheConfig
+    from cache_dit.caching.cache_contexts.cache_manager import CachedContextManager
+    from cache_dit.caching.forward_pattern import ForwardPattern
+
+    model = load(checkpoint, dtype=dtype)
+    manager = CachedContextManager("h3-oracle")
+    context = manager.new_context(name="h3", cache_config=DBCacheConfig(
+        Fn_compute_blocks=settings.first_blocks, Bn_compute_blocks=settings.last_blocks,
+        residual_diff_threshold=settings.threshold, max_warmup_steps=settings.warmup_steps,
+        max_continuous_cached_steps=settings.max_consecutive, enable_separate_cfg=False))
+    wrapper = CachedBlocks_Pattern_3_4_5(model.blocks, transformer=None, forward_pattern=ForwardPattern.Pattern_3,
+                                         check_forward_pattern=False, cache_prefix="h3", cache_context="h3",
+                                         context_manager=manager)
+    model.blocks = torch.nn.ModuleList([wrapper])
+    result = sample(model, request_, precompute=False)
+    return result, context
 
 
-def test_a_forward_with_the_plan_equals_the_plain_forward(checkpoint, request_):
-    model = load(checkpoint, "layerwise", torch.bfloat16)
-    text, layout, video, audio = request_
-    timesteps = call_timesteps(layout)
-    plan = model.adaln_plan(timesteps + timesteps[:1])  # a repeated call shares its rows
-    assert len(plan.keys) == len(timesteps)
-    kwargs = layout.model_kwargs()
-    states = text[None]
-    refined = model.refine_text(states)
-    with torch.no_grad():
-        for t, index in calls(layout):
-            plain = model(video[None], audio[None], states, t, index, **kwargs)
-            cached = model(video[None], audio[None], states, t, index, **kwargs, refined_text=refined,
-                           modulation=plan.call(t))
-            assert all(torch.equal(a, b) for a, b in zip(plain, cached))
-        with pytest.raises(ValueError, match="modulation holds the tables of"):
-            model(video[None], audio[None], states, t[:1], index.clamp(max=0), **kwargs, modulation=plan.call(t))
-        with pytest.raises(ValueError, match="refined_text must be"):
-            model(video[None], audio[None], states, t, index, **kwargs, refined_text=refined[:, :3])
-    with pytest.raises(h3_core.H3Error, match="no call with timesteps"):
-        plan.call(torch.tensor([0.123]))
-    model.close()
+@pytest.mark.parametrize("settings", [QUALITY, WIDER], ids=["quality", "F2B1"])
+def test_decisions_changes_and_outputs_equal_cache_dit(checkpoint, request_, settings):
+    oracle, context = cache_dit_run(checkpoint, request_, settings)
+    model = load(checkpoint)
+    ours = sample(model, request_, step_cache=settings)
+    stats = ours.step_cache
+    hits = [i for i, hit in enumerate(stats.decisions) if hit]
+    assert hits == context.get_cached_steps()
+    assert 0 < len(hits) < len(stats.decisions) - settings.warmup_steps  # both kinds of call after the warm-up
+    measured = {str(i): change for i, change in enumerate(stats.changes) if change is not None}
+    assert measured == {k: v for k, v in context.get_residual_diffs().items() if v >= 0}
+    assert same(ours, oracle)
+    # Precomputed AdaLN tables and the per-step projection give the same numbers with the cache too.
+    assert same(ours, sample(model, request_, step_cache=settings, precompute=False))
+    assert stats.blocks_run == [N - (N - settings.first_blocks - settings.last_blocks) * hit
+                                for hit in stats.decisions]
 
 
-# ---- the census: what the loop materialises -------------------------------------------------------------------------
+def test_a_threshold_of_one_caches_every_call_the_rules_allow(checkpoint, request_):
+    always = StepCacheSettings(1, 0, 1.0, 2, 1)
+    oracle, context = cache_dit_run(checkpoint, request_, always)
+    ours = sample(load(checkpoint), request_, step_cache=always)
+    assert [i for i, hit in enumerate(ours.step_cache.decisions) if hit] == context.get_cached_steps() \
+        == list(range(2, STEPS - 1, 2))  # warm-up 0, 1; then every other call
+    assert same(ours, oracle)
 
 
-class Census:
-    """Names of the weights each materialisation binds, split at the first model call (the start of the loop)."""
-
-    def __init__(self, model):
-        self.before, self.inside = [], []
-        self.in_loop = False
-        model.set_weight_transform(self.record)
-        model.register_forward_pre_hook(lambda module, args: setattr(self, "in_loop", True))
-
-    def record(self, tensors):
-        (self.inside if self.in_loop else self.before).extend(tensors)
-
-    @staticmethod
-    def count(names, part: str) -> int:
-        return sum(part in name for name in names)
+# ---- streamed: skipped blocks are neither materialised nor read ------------------------------------------------------
 
 
-@pytest.mark.parametrize("step_cache", [True, False], ids=["cached", "per_step"])
-def test_the_cached_loop_materialises_no_adaln_projection_and_no_refiner(checkpoint, request_, step_cache):
-    model = h3_core.load_dit(checkpoint, residency="layerwise", prefetch=1, resident_blocks=1)
-    census = Census(model)
-    result = sample(model, request_, step_cache=step_cache)
-    calls = Schedule.build(STEPS).num_model_calls
-    streamed_bodies = N - 1  # block 0 stays on the device; every AdaLN projection is streamed
-    body_weights = len([n for n, _ in model.blocks[1].named_parameters() if not n.startswith("adaln_proj.")])
-    text_weights = (len(list(model.token_refiner.parameters())) + len(list(model.condition_proj.parameters())))
-    if step_cache:
-        # Before the loop: each AdaLN projection once (weight + bias) and the refiner once; in it, neither.
-        assert Census.count(census.before, ".adaln_proj.") == 2 * N
-        assert Census.count(census.before, "token_refiner.") + Census.count(census.before, "condition_proj.") \
-            == text_weights
-        assert Census.count(census.inside, "adaln_proj") == 0
-        assert Census.count(census.inside, "token_refiner") == Census.count(census.inside, "condition_proj") == 0
-        assert model.adaln_residency.stats().passes == 1
-    else:
-        assert Census.count(census.before, "adaln_proj") == Census.count(census.before, "token_refiner") == 0
-        assert Census.count(census.inside, ".adaln_proj.") == 2 * N * calls
-        assert Census.count(census.inside, "token_refiner.") + Census.count(census.inside, "condition_proj.") \
-            == text_weights * calls
-        assert model.adaln_residency.stats().passes == calls
-    # The block bodies are streamed at every step either way.
-    assert len(census.inside) - Census.count(census.inside, "adaln_proj") - Census.count(
-        census.inside, "token_refiner") - Census.count(census.inside, "condition_proj") \
-        == body_weights * streamed_bodies * calls
-    assert torch.isfinite(result.video_rows).all()
-    model.close()
+def test_a_streamed_hit_neither_materialises_nor_reads_the_skipped_blocks(checkpoint, request_):
+    resident = sample(load(checkpoint), request_, step_cache=WIDER)
+    model = load(checkpoint, "layerwise")
+    manager = model.block_residency
+    store = manager.store
+    acquired, read = [], []
+    original_acquire, original_fill = manager.acquire, store._fill
+
+    def acquire(index):
+        acquired[-1].append(index)
+        return original_acquire(index)
+
+    def fill(unit, buffer):
+        read.append(unit)
+        return original_fill(unit, buffer)
+
+    manager.acquire, store._fill = acquire, fill
+    forward = model.forward
+
+    def counted_forward(*args, **kwargs):
+        acquired.append([])
+        return forward(*args, **kwargs)
+
+    model.forward = counted_forward
+    streamed = sample(model, request_, step_cache=WIDER)
+    assert same(streamed, resident)  # layerwise equals resident with the cache on
+    stats = streamed.step_cache
+    middle = set(range(WIDER.first_blocks, N - WIDER.last_blocks))
+    # The AdaLN pass (precompute) acquires every block once; then one list per model call.
+    calls = acquired[-len(stats.decisions):]
+    for hit, blocks in zip(stats.decisions, calls):
+        assert (not set(blocks) & middle) if hit else blocks == list(range(N))
+    # Reads: at most every block of every call that ran it (a block read ahead for a guessed path that is still
+    # needed is kept) plus one read ahead per call whose path was guessed wrong (guessed before the call, from the
+    # last measured change); an uncached run reads N per call.
+    needed = sum(stats.blocks_run) + N  # + the precompute's pass over every block
+    assert stats.hits >= 3 and len(read) <= needed + len(stats.decisions)
+    assert len(read) < N * (len(stats.decisions) + 1) - stats.hits * len(middle) / 2
 
 
-# ---- the host bytes of the tables ---------------------------------------------------------------------------------
+# ---- bad settings -------------------------------------------------------------------------------------------------
 
 
-def test_the_plan_host_bytes_are_reported_and_bounded(checkpoint, request_):
-    text, layout, video, audio = request_
-    timesteps = call_timesteps(layout)
-    distinct_rows = sum(t.numel() for t in dict((tuple(t.tolist()), t) for t in timesteps).values())
-    assert 2 <= max(t.numel() for t in timesteps) <= 3  # condition rows held at 0.999: M = 3 once noisy
-    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
-        model = load(checkpoint, "resident", dtype)
-        expected = N * distinct_rows * ADALN_OUT * size
-        assert model.adaln_plan_bytes(timesteps) == expected
-        plan = model.adaln_plan(timesteps)
-        assert plan.host_bytes == expected
-        assert all(table.device == torch.device("cpu") and table.dtype == dtype for table in plan.tables)
-        assert sample(model, request_).step_cache_bytes == expected
-        # At most (calls x 4 timesteps) rows per block: a bound known before any weight is read.
-        assert expected <= N * len(timesteps) * 4 * ADALN_OUT * size
+@pytest.mark.parametrize("preset, overrides, words", [
+    ("turbo", {}, "not a preset; use one of off, quality, fast"),
+    ("quality", {"threshold": float("nan")}, "threshold must be a finite number"),
+    ("quality", {"first_blocks": 0}, "first blocks (Fn) must be an integer >= 1"),
+    ("quality", {"warmup_steps": -1}, "warm-up steps must be an integer >= 0"),
+    ("quality", {"max_consecutive": True}, "most consecutive hits must be an integer >= -1"),
+    ("quality", {"last_blocks": 1.5}, "last blocks (Bn) must be an integer >= 0"),
+])
+def test_bad_settings_are_one_clear_error(preset, overrides, words):
+    with pytest.raises(H3Error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        step_cache_settings(preset, **overrides)
+
+
+def test_first_and_last_blocks_must_leave_blocks_to_skip():
+    with pytest.raises(H3Error, match="leave none of the transformer's 6 blocks to skip"):
+        StepCacheRun(StepCacheSettings(4, 2, 0.1, 0, -1), N)
+
+
+def test_a_request_with_a_bad_step_cache_names_the_field():
+    with pytest.raises(H3Error, match="step_cache 'medium' is not a preset"):
+        GenerationRequest("a fox", width=96, height=64, num_frames=5, steps=3, step_cache="medium")
+    with pytest.raises(H3Error, match="step_cache 3: give a preset name"):
+        GenerationRequest("a fox", width=96, height=64, num_frames=5, steps=3, step_cache=3)
+
+
+# ---- interrupted -------------------------------------------------------------------------------------------------
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("residency", ["resident", "layerwise"])
+def test_a_cancelled_cached_run_leaves_the_model_usable(checkpoint, request_, residency):
+    model = load(checkpoint, residency)
+    expected = sample(model, request_, step_cache=QUALITY)
+    checks = 0
+
+    def check_interrupt():
+        nonlocal checks
+        checks += 1
+        if checks == 60:  # inside a later call, past the warm-up
+            raise Stop
+
+    with pytest.raises(Stop):
+        sample(model, request_, step_cache=QUALITY, check_interrupt=check_interrupt)
+    again = sample(model, request_, step_cache=QUALITY)
+    assert same(again, expected) and again.step_cache.decisions == expected.step_cache.decisions

@@ -48,7 +48,7 @@ def companion_manager(manager: LayerwiseOffloadManager, *, prefetch: int = 0,
     """A second manager on `manager`'s device for units split off its blocks (`attach_layerwise(split=)`): no
     resident units, `prefetch` units ahead, and the same pin budget where the backend pins (one host bound for both).
     """
-    # Its units are read once per request (the step cache's pass): their pages leave the page cache once read, so
+    # Its units are read once per request (the precompute's pass): their pages leave the page cache once read, so
     # it keeps the blocks that every step reads again.
     options = {"cache_budget_bytes": 0}
     budget = getattr(manager.backend, "pin_budget", None)

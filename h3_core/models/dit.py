@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..runtime.chunking import FUSED, ChunkingPolicy, RowChunks
 from .dit_config import NUM_MODALITIES, NUM_MODULATIONS, H3DiTConfig
+from .step_cache import StepCacheRun
 from ..errors import H3Error
 from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.platform import Platform
@@ -579,13 +580,16 @@ class H3DiT(nn.Module):
     def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
                 token_tags, position_ids, video_indices, audio_indices, text_indices, return_dict: bool = False, *,
                 chunking: ChunkingPolicy | None = None, before_block: Callable[[int], None] | None = None,
-                refined_text: torch.Tensor | None = None, modulation: AdaLNCall | None = None):
+                refined_text: torch.Tensor | None = None, modulation: AdaLNCall | None = None,
+                step_cache: StepCacheRun | None = None):
         """The diffusers call (`return_dict=True` gives an `H3DiTOutput` with diffusers' field names, False the
         tuple `(video, audio)`), plus options of this call only: `chunking` (default: the model's `chunking`),
         `before_block(i)`, called before block i is fetched (the place for a caller's interrupt check), and the
         step-invariant work done beforehand: `refined_text` (`refine_text(encoder_hidden_states)`, then the text
         refiner does not run) and `modulation` (this call's `AdaLNPlan.call(timestep)`, then no AdaLN projection
-        runs or is materialised). Both give bitwise the outputs of the call without them."""
+        runs or is materialised). Both give bitwise the outputs of the call without them. `step_cache` (one
+        `StepCacheRun` for every call of a sampling run) may skip the middle blocks (see step_cache.py); a streamed
+        block it skips is neither materialised nor read."""
         self._check_inputs(hidden_states, audio_hidden_states, encoder_hidden_states, timestep, timestep_indices,
                            token_tags, position_ids, video_indices, audio_indices, text_indices)
         self._check_precomputed(encoder_hidden_states, timestep, refined_text, modulation)
@@ -594,6 +598,12 @@ class H3DiT(nn.Module):
         # The AdaLN projections streamed apart are fetched only when this call projects its own tables.
         apart = modulation is None and self.adaln_streamed_apart
         passes = (residency, adaln) if apart else (residency,)
+        order = list(range(len(self.blocks)))
+        if step_cache is not None:
+            step_cache.begin_call()
+            order = step_cache.planned_order()  # the likely path: the reads ahead follow it
+            for r in passes:
+                r.set_order(order)
         # The passes begin before the input projections: streamed blocks start arriving while those run.
         for r in passes:
             r.begin_pass()
@@ -614,9 +624,16 @@ class H3DiT(nn.Module):
             adaln_index = timestep_indices * NUM_MODALITIES + token_tags.clamp(min=0)
             chunks = (chunking or self.chunking).plan(rows, self.config, batch=x.shape[0], dtype=x.dtype,
                                                       device=x.device)
-            for i, block in enumerate(self.blocks):
+            block_input = first_output = None
+            position = 0
+            while position < len(order):
+                i = order[position]
+                position += 1
+                block = self.blocks[i]
                 if before_block is not None:
                     before_block(i)  # e.g. the caller's interrupt check, between blocks
+                if step_cache is not None and i == 0:
+                    block_input = x
                 table = None
                 if modulation is not None:
                     table = modulation.table(i, x.device)
@@ -627,6 +644,21 @@ class H3DiT(nn.Module):
                 residency.acquire(i)  # block i on the device (and the next `prefetch` on their way)
                 x = block(x, time_act, adaln_index, rope, chunks, table=table)
                 residency.release(i)
+                if step_cache is None:
+                    continue
+                if i == step_cache.decision_block:
+                    hit = step_cache.decide(block_input, x)
+                    block_input = None
+                    order = step_cache.order_after_decision(hit)
+                    for r in passes:
+                        r.set_order(order)
+                    if hit:
+                        x = step_cache.apply(x)
+                    else:
+                        first_output = x
+                elif first_output is not None and i == step_cache.middle[-1]:
+                    step_cache.record_middle(first_output, x)
+                    first_output = None
         except torch.OutOfMemoryError as exc:
             raise out_of_memory_error(exc, rows, chunks.size if chunks is not None else None) from None
         finally:

@@ -25,6 +25,7 @@ from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
 from ..errors import H3Error
+from ..models.step_cache import StepCacheStats
 from ..planning.phase_plans import PHASES, REFERENCE_PHASES
 from ..request.generation_request import MAX_PROMPT_TOKENS, GenerationRequest
 from ..request.generation_result import GenerationResult
@@ -59,6 +60,7 @@ class Latents:
     video: torch.Tensor  # [1, 24, T, H/16, W/16], normalised
     audio: torch.Tensor  # [1, 32, 2, Ta], normalised
     shape: LatentShape
+    step_cache: StepCacheStats | None = None  # what the sampler's step cache did (None: off)
 
 
 @dataclass(frozen=True)
@@ -301,7 +303,7 @@ class H3Pipeline:
     @serialised
     def sample(self, cond: Conditioning, request: GenerationRequest | None = None, /, *, progress=None,
                check_interrupt=None, chunk_size: int | None = None, memory_budget: int | None = None,
-               between_chunks: Callable[[], None] | None = None, **fields) -> Latents:
+               between_chunks: Callable[[], None] | None = None, step_report=None, **fields) -> Latents:
         """The sampling loop of the request `cond` was encoded for, or of `request`, or of that request with `fields`
         changed (`num_frames`, `steps`, `seed`, `video_shift`, `audio_shift`, `loras`; e.g. H3 Sampler's widgets).
         Its canvas must be the one keyframes were fitted to, its duration the one references were cut to.
@@ -311,7 +313,9 @@ class H3Pipeline:
         chunk, e.g. a device-cache reclaim) apply to this call only; None keeps the transformer's loaded setting.
         None of them changes the model. The request's `loras` becomes the transformer's LoRA set before sampling
         (`set_loras`, no reload; `()` is the base model) and stays until another call changes it; None keeps it.
-        `check_interrupt()` runs in the keyframe / reference encoding too."""
+        `check_interrupt()` runs in the keyframe / reference encoding too. The request's `step_cache` runs in the
+        sampling loop; `step_report(stats)` gets its `StepCacheStats` after each call, `Latents.step_cache` at the
+        end."""
         if request is None:
             if cond.request is None:
                 raise H3Error("this conditioning carries no request: give the request to sample.")
@@ -359,10 +363,11 @@ class H3Pipeline:
         result = denoise(dit, cond.states, layout, schedule, video_rows, audio_rows,
                          num_condition_video_rows=layout.num_condition_video_rows,
                          num_condition_audio_rows=layout.num_condition_audio_rows, progress=progress,
-                         check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget))
+                         check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget),
+                         step_cache=request.step_cache, step_report=step_report)
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
-        return Latents(video, audio, shape)
+        return Latents(video, audio, shape, result.step_cache)
 
     def sampling_sources(self, cond: Conditioning) -> dict:
         """The components `sample(cond)` loads, by name, with their files (what a host application makes room for):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import H3Error
+from ..models.step_cache import StepCacheRun, StepCacheStats
+from ..step_cache_settings import StepCacheSettings
 from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, check_shift
 from .layout import PackedLayout
 
@@ -120,12 +122,14 @@ class Interrupted(H3Error):
 class DenoiseResult:
     video_rows: torch.Tensor  # target video rows [Tv*h*w, C*4], float32
     audio_rows: torch.Tensor  # target audio rows [2*Ta, C_a], float32
-    step_cache_bytes: int = 0  # host bytes of the run's AdaLN plan (0 without the step cache)
+    precomputed_bytes: int = 0  # host bytes of the run's AdaLN plan (0 without the precompute)
+    step_cache: StepCacheStats | None = None  # what the step cache did (None: off)
 
 
 def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
             audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, num_condition_audio_rows: int = 0,
-            progress=None, check_interrupt=None, chunking=None, step_cache: bool = True) -> DenoiseResult:
+            progress=None, check_interrupt=None, chunking=None, precompute: bool = True,
+            step_cache: StepCacheSettings | None = None, step_report=None) -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
@@ -136,10 +140,14 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     the CPU bounds the work of one call), may raise to stop.
     `chunking` (a `ChunkingPolicy`) is this run's row chunking; None keeps the model's. Neither changes the model.
 
-    `step_cache` (default on) does the step-invariant work once, before the first step: the refined text
+    `precompute` (default on) does the step-invariant work once, before the first step: the refined text
     (`model.refine_text`) and every block's AdaLN tables for every call's timesteps (`model.adaln_plan`, host memory,
-    `DenoiseResult.step_cache_bytes`), so no step runs or fetches the text refiner or an AdaLN projection. Built per
-    call, so it always has the model's current LoRAs. The outputs are bitwise those of `step_cache=False`.
+    `DenoiseResult.precomputed_bytes`), so no step runs or fetches the text refiner or an AdaLN projection. Built per
+    call, so it always has the model's current LoRAs. The outputs are bitwise those of `precompute=False`.
+
+    `step_cache` (`StepCacheSettings`, None: off) skips the middle blocks on calls whose first blocks barely change
+    (DBCache, see models/step_cache.py); `DenoiseResult.step_cache` says what it did, and `step_report(stats)` gets
+    the `StepCacheStats` so far after each call (with the cache on).
     """
     if check_interrupt is not None:
         check_interrupt()
@@ -165,8 +173,11 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     if progress is not None:
         progress(0, total)
     plan = None
+    cache_run = None
+    if step_cache is not None:
+        cache_run = kwargs["step_cache"] = StepCacheRun(step_cache, len(model.blocks))
     with torch.no_grad():
-        if step_cache:
+        if precompute:
             if check_interrupt is not None:
                 check_interrupt()
             kwargs["refined_text"] = model.refine_text(text)
@@ -180,6 +191,12 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                 kwargs["modulation"] = plan.call(timestep)
             v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
                                      timestep_indices.to(device), **kwargs)
+            if cache_run is not None:
+                residency = getattr(model, "block_residency", None)
+                last = residency.stats().last_pass if residency is not None else None
+                cache_run.stats.bytes_read.append(last.bytes_read if last is not None else 0)
+                if step_report is not None:
+                    step_report(cache_run.stats)
             for name, velocity in (("video", v_video), ("audio", v_audio)):
                 if not torch.isfinite(velocity).all():
                     raise non_finite_error("the transformer", getattr(model, "checkpoint_files", ()),
@@ -192,7 +209,8 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                                     schedule.audio_sigmas[i + 1])
             if progress is not None:
                 progress(i + 1, total)
-    return DenoiseResult(video[nc:], audio[na:], plan.host_bytes if plan is not None else 0)
+    return DenoiseResult(video[nc:], audio[na:], plan.host_bytes if plan is not None else 0,
+                         cache_run.stats if cache_run is not None else None)
 
 
 def check_finite_inputs(text_states, schedule: Schedule, video_rows, audio_rows) -> None:

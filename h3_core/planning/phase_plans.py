@@ -159,7 +159,7 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     # attention kernel's work buffers. Not chunked away.
     full_length += rows * element * DIT_UNCOUNTED_ROW_WIDTHS * c.hidden_size
     fused_temporaries = rows * element * projection_elements_per_row(c)
-    # The step cache's AdaLN tables (host memory through the steps): every block's projection output for each
+    # The step-invariant precompute's AdaLN tables (host memory through the steps): every block's projection output for each
     # distinct timestep of every call (text and video, audio, visual condition rows (keyframes, reference images and
     # videos), reference audio rows).
     adaln_spec = next((spec for spec in ckpt.specs if spec.name == "blocks.0.adaln_proj.linear.weight"), None)
@@ -292,7 +292,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
 
     `keep` names components the pipeline keeps loaded (its `keep_*` options): they count in every phase.
     `keyframes`: the request has first / last keyframes, so the keyframe-encode phase runs (and the text encoder's
-    vision tower). `steps` (sigma grid points) sizes the step cache's AdaLN tables. `staging_read_ahead`: the
+    vision tower). `steps` (sigma grid points) sizes the precomputed AdaLN tables. `staging_read_ahead`: the
     layerwise staging ring's read-ahead (the loaders' 1 by default; None: no ring); `host_budget_bytes`: on a
     discrete device (CUDA), the host memory the stores and rings may take (None: reported, not checked).
     `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it; a

@@ -15,6 +15,7 @@ import operator
 from dataclasses import dataclass, field
 
 from ..errors import H3Error
+from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, StepCacheSettings, step_cache_settings
 from .grid import (FPS, MAX_SECONDS, LatentShape, align_num_frames, canvas_problem, frame_count_problem,
                    frames_for_seconds)
 from .references import REFERENCE_IMAGE_SIZES, ReferenceRequest, build_references, check_reference_counts
@@ -48,6 +49,7 @@ class RequestNames:
     reference_audios: str = "reference_audios"
     reference_image_size: str = "reference_image_size"
     loras: str = "loras"
+    step_cache: str = "step_cache"
     server_lora: str = "server_lora"  # the remote engine's LoRA already on the server (not a request field)
     job_timeout: str = "job_timeout"  # the remote engine's limit on a server job (not a request field)
 
@@ -172,7 +174,9 @@ class GenerationRequest:
     and `reference_audios` (at most 3: a waveform [C, N] at 32 kHz or `(waveform, sample_rate)`): Ref2VA references,
     in request order images, videos, audios; `reference_image_size` "reference" / "max" / "match";
     `reference_labels` ((kind, index), label) pairs name single references in errors (file names in the CLI).
-    `loras` ((file, strength), ...) is the transformer's LoRA set for this request (None keeps the one it has)."""
+    `loras` ((file, strength), ...) is the transformer's LoRA set for this request (None keeps the one it has).
+    `step_cache`: a preset name of `STEP_CACHE_PRESETS` ("off", the default, is the uncached path) or
+    `StepCacheSettings`; normalised to the settings, or None for off."""
 
     prompt: str
     width: int = DEFAULT_WIDTH
@@ -190,6 +194,7 @@ class GenerationRequest:
     reference_image_size: str = "reference"
     reference_labels: tuple = ()
     loras: tuple | None = None
+    step_cache: object = STEP_CACHE_OFF
     names: RequestNames = field(default=PYTHON_NAMES, repr=False)
     # Normalised references per canvas rule (`normalised_references`): made once whoever asks first.
     _normalised: dict = field(default_factory=dict, init=False, repr=False)
@@ -226,6 +231,11 @@ class GenerationRequest:
                           f"{', '.join(REFERENCE_IMAGE_SIZES)}.")
         if self.loras is not None:
             set_(self, "loras", _check_loras(self.loras, n.loras))
+        if self.step_cache is None or isinstance(self.step_cache, (str, StepCacheSettings)):
+            set_(self, "step_cache", step_cache_settings(self.step_cache, name=n.step_cache))
+        else:
+            raise H3Error(f"{n.step_cache} {self.step_cache!r}: give a preset name "
+                          f"({', '.join(STEP_CACHE_PRESETS)}) or StepCacheSettings.")
 
     # -- what the request implies ----------------------------------------------------------------------------------
 

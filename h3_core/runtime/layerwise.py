@@ -86,6 +86,8 @@ class LayerwiseOffloadManager(BlockResidency):
         self._current = PassStats()
         self._total_h2d = 0
         self._transform = None
+        self._planned: frozenset[int] | None = None  # `set_order`: the blocks this pass will acquire (None: all)
+        self._last_acquired: int | None = None
 
     # ---- setup / teardown ----------------------------------------------------------------------------------
 
@@ -233,8 +235,32 @@ class LayerwiseOffloadManager(BlockResidency):
             self._store.prefetch_head()
         self._sample()
 
+    def set_order(self, blocks) -> None:
+        """See `BlockResidency.set_order`. Prefetched blocks left out are dropped, and the host store's reads
+        ahead follow the new set (`StagedReads.plan`)."""
+        self._require_attached()
+        planned = None
+        if blocks is not None:
+            planned = frozenset(blocks)
+            for index in planned:
+                self._check_index(index)
+        self._planned = planned
+        if hasattr(self._store, "plan"):
+            self._store.plan(None if planned is None else [i for i in self.streamed if i in planned])
+        if not self._in_pass:
+            return
+        for slot, state in enumerate(self._slots.states):
+            if state is SlotState.READY and planned is not None and self._slots.units[slot] not in planned:
+                self._drop(slot)
+        if self._last_acquired is not None:
+            for ahead in self._next_streamed(self._last_acquired):
+                self.prefetch(ahead)
+
     def end_pass(self) -> None:
         self._require_attached()
+        self._planned, self._last_acquired = None, None
+        if hasattr(self._store, "plan"):
+            self._store.plan(None)
         in_use = self._slots.holding(SlotState.IN_USE)
         for index in in_use:
             self.release(index)
@@ -289,6 +315,7 @@ class LayerwiseOffloadManager(BlockResidency):
         tensors = self.backend.wait_ready(slot, index)
         self._slots.take(slot)  # raises if the block is already acquired
         self._bind(index, tensors)
+        self._last_acquired = index
         for ahead in self._next_streamed(index):
             self.prefetch(ahead)
         self._current.wait_s += time.perf_counter() - started
@@ -323,7 +350,7 @@ class LayerwiseOffloadManager(BlockResidency):
     def _next_streamed(self, index: int) -> list[int]:
         if not self.prefetch_depth:
             return []
-        later = [i for i in self.streamed if i > index]
+        later = [i for i in self.streamed if i > index and (self._planned is None or i in self._planned)]
         return later[: self.prefetch_depth]
 
     def _load(self, index: int, *, evict: bool) -> int:

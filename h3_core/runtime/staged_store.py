@@ -105,6 +105,8 @@ class StagedReads:
         self._after: dict[int, object] = {}  # buffer -> event to wait on before refilling it (a pending copy)
         self._staged: dict[int, tuple[int, Future]] = {}  # unit -> (buffer, its read), not yet taken
         self._last_taken: int | None = None
+        self._planned: frozenset[int] | None = None  # `plan`: the units this pass will take (None: all)
+        self._staged_after: dict[int, object] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._pin_budget = pin_budget if pin_budget is not None else PinBudget(0)
         self._pinner = pinner
@@ -338,12 +340,35 @@ class StagedReads:
         if not self._free:
             return False
         index = self._free.pop(0)
-        future = self._executor.submit(self._read_job, unit, self._ring[index], self._after.pop(index, None))
+        after = self._after.pop(index, None)
+        future = self._executor.submit(self._read_job, unit, self._ring[index], after)
         self._staged[unit] = (index, future)
+        self._staged_after[unit] = after  # back to `_after` if `plan` cancels the read before it waits
         return True
 
+    def plan(self, units) -> None:
+        """The units this pass will still take (None: all, in `streamed` order): reads ahead follow them, and
+        reads already staged for units left out are dropped (a pending one is cancelled, a running one awaited)."""
+        self._planned = None if units is None else frozenset(units)
+        if self._planned is None:
+            return
+        for unit in [u for u in self._staged if u not in self._planned]:
+            index, future = self._staged.pop(unit)
+            after = self._staged_after.pop(unit, None)
+            if future.cancel():
+                if after is not None:
+                    self._after[index] = after  # the copy out of this buffer was never waited for
+            else:
+                try:
+                    future.result()
+                except Exception:
+                    pass  # nobody needs it now; a real problem shows again when the unit is taken
+            self._free.append(index)
+        self._top_up()
+
     def _upcoming(self, unit: int) -> list[int]:
-        order = [u for u in self.streamed if u not in self.slabs]
+        order = [u for u in self.streamed if u not in self.slabs and (self._planned is None or u in self._planned
+                                                                       or u == unit)]
         if unit not in order or not self.read_ahead:
             return []
         at = order.index(unit)
@@ -363,6 +388,7 @@ class StagedReads:
                 self._evict_one()
                 self._request(unit)
         index, future = self._staged.pop(unit)
+        self._staged_after.pop(unit, None)
         started = time.perf_counter()
         try:
             future.result()
@@ -382,6 +408,7 @@ class StagedReads:
                 "another unit (or raise read_ahead).")
         unit = next(reversed(self._staged))  # the read furthest ahead
         index, future = self._staged.pop(unit)
+        self._staged_after.pop(unit, None)
         try:
             future.result()
         except Exception:
@@ -408,8 +435,8 @@ class StagedReads:
             self._keep_cached = self._choose_cached(None)
 
     def prefetch_head(self) -> None:
-        """Start reading the first units of the next pass (called when a pass ends)."""
-        order = [u for u in self.streamed if u not in self.slabs]
+        """Start reading the first units of the next pass (called when a pass ends, and when one begins)."""
+        order = [u for u in self.streamed if u not in self.slabs and (self._planned is None or u in self._planned)]
         for unit in order[: self.read_ahead]:
             if not self._request(unit):
                 break
