@@ -188,7 +188,7 @@ def test_bad_settings_are_one_clear_error(preset, overrides, words):
 
 
 def test_first_and_last_blocks_must_leave_blocks_to_skip():
-    with pytest.raises(H3Error, match="leave none of the transformer's 6 blocks to skip"):
+    with pytest.raises(H3Error, match="4 first \\+ 2 last blocks always run, which leaves none of this transformer's 6"):
         StepCacheRun(StepCacheSettings(4, 2, 0.1, 0, -1), N)
 
 
@@ -222,3 +222,38 @@ def test_a_cancelled_cached_run_leaves_the_model_usable(checkpoint, request_, re
         sample(model, request_, step_cache=QUALITY, check_interrupt=check_interrupt)
     again = sample(model, request_, step_cache=QUALITY)
     assert same(again, expected) and again.step_cache.decisions == expected.step_cache.decisions
+
+
+# ---- the memory plan ------------------------------------------------------------------------------------------------
+
+
+def test_the_plan_counts_the_cached_residuals(tiny):
+    """The transformer's activations grow by the residuals the cache holds: four full-length residual-stream
+    tensors (two kept across calls, two while a call decides and runs its middle blocks)."""
+    from h3_core.planning.phase_plans import packed_rows_estimate, plan_for_budget
+    from h3_core.request.grid import LatentShape
+    from h3_core.sources.model_sources import resolve_model
+
+    sources = resolve_model(tiny)
+    request = dict(device="cpu", budget_bytes=1 << 40, width=96, height=64, num_frames=22, steps=9,
+                   dtype=torch.float32)
+    plain = plan_for_budget(sources, **request)
+    cached = plan_for_budget(sources, **request, step_cache=True)
+    rows = packed_rows_estimate(LatentShape.for_request(96, 64, 22))
+    hidden = h3_core.load_dit(sources.transformer).config.hidden_size
+    grown = cached.phase("sampling").total_bytes - plain.phase("sampling").total_bytes
+    assert grown == 4 * rows * hidden * 4
+
+
+def test_the_cache_holds_what_the_plan_counts(checkpoint, request_):
+    """After a call: the two kept residuals are full-length residual-stream tensors, as the plan counts them."""
+    text, layout, video, audio = request_
+    model = load(checkpoint)
+    run = StepCacheRun(QUALITY, N)
+    rows = layout.num_rows
+    # One call through the forward (a call that runs every block keeps both residuals).
+    kwargs = {k: v for k, v in layout.model_kwargs().items()}
+    timestep, indices = h3_core.row_timesteps(layout, 0.5, 0.5)
+    with torch.no_grad():
+        model(video[None], audio[None], text[None], timestep, indices, step_cache=run, **kwargs)
+    assert run.held_bytes == 2 * rows * SMALL.hidden_size * 4

@@ -21,6 +21,7 @@ from ..request.keyframes import check_image_file
 from ..request.media_files import output_problem
 from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
+from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, step_cache_settings
 from .progress import DownloadBar, ProgressBar, memory_report
 
 # Without --model the embedded tiny random model runs; these keep that check of an install under a minute on a CPU.
@@ -49,7 +50,7 @@ CLI_NAMES = RequestNames(prompt="the prompt", num_frames="--frames", steps="--st
                          video_shift="--video-shift", audio_shift="--audio-shift", first_frame="--first-frame",
                          last_frame="--last-frame", reference_images="--ref-image", reference_videos="--ref-video",
                          reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora",
-                         server_lora="--server-lora", job_timeout="--job-timeout")
+                         server_lora="--server-lora", job_timeout="--job-timeout", step_cache="--step-cache")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -184,6 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "LoRA recommends are used unless given")
     g.add_argument("--video-shift", type=float, help="sigma shift of the video schedule (default 12)")
     g.add_argument("--audio-shift", type=float, help="sigma shift of the audio schedule (default 3)")
+    g.add_argument("--step-cache", choices=tuple(STEP_CACHE_PRESETS), default=STEP_CACHE_OFF,
+                   help="skip most of the transformer on steps where its first block barely changes (DBCache, as "
+                        "cache-dit): off (default, the exact output), quality (SGLang's and vLLM-Omni's setting for "
+                        "H3's quality=high: at most every other step), fast (more steps skipped, lower fidelity). "
+                        "The hits are printed at the end")
+    g.add_argument("--step-cache-threshold", type=float, metavar="R",
+                   help="expert: the relative change of the first blocks' residual under which a step is skipped "
+                        "(quality 0.04, fast 0.24; 0 never skips). Any --step-cache-* number turns the cache on, "
+                        "starting from --step-cache (quality when off)")
+    g.add_argument("--step-cache-blocks", metavar="F[,B]",
+                   help="expert: blocks that always run, F first and B last (default 1,0)")
+    g.add_argument("--step-cache-warmup", type=int, metavar="N", help="expert: steps that never skip (default 4)")
+    g.add_argument("--step-cache-max-consecutive", type=int, metavar="N",
+                   help="expert: skipped steps in a row before one runs every block (quality 1, fast 3; -1: no cap)")
     g.add_argument("--out", default="out.mp4",
                    help="the .mp4 to write (H.264 + AAC; without PyAV: STEM_frames/ PNGs and STEM.wav beside it). "
                         "Written under a temporary name and renamed when complete: an existing file is replaced "
@@ -206,6 +221,39 @@ def build_parser() -> argparse.ArgumentParser:
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
                         "with its memory and time estimate")
     return parser
+
+
+def parse_step_cache(args, say):
+    """--step-cache and its expert numbers -> `StepCacheSettings` (None: off), in the flags' words."""
+    first = last = None
+    if args.step_cache_blocks is not None:
+        parts = args.step_cache_blocks.split(",")
+        try:
+            if len(parts) > 2:
+                raise ValueError
+            first, last = int(parts[0]), int(parts[1]) if len(parts) == 2 else 0
+        except ValueError:
+            raise CliError(f"--step-cache-blocks {args.step_cache_blocks!r}: give F or F,B (the first and last blocks "
+                           "that always run), e.g. 1 or 2,1.") from None
+    overrides = dict(first_blocks=first, last_blocks=last, threshold=args.step_cache_threshold,
+                     warmup_steps=args.step_cache_warmup, max_consecutive=args.step_cache_max_consecutive)
+    given = [f"--step-cache-{key}" for key, value in (("blocks", args.step_cache_blocks),
+                                                       ("threshold", args.step_cache_threshold),
+                                                       ("warmup", args.step_cache_warmup),
+                                                       ("max-consecutive", args.step_cache_max_consecutive))
+             if value is not None]
+    try:
+        settings = step_cache_settings(args.step_cache, name="--step-cache", **overrides)
+    except H3Error as exc:
+        raise CliError(str(exc).replace("--step-cache: the threshold", "--step-cache-threshold")
+                       .replace("--step-cache: first blocks (Fn)", "--step-cache-blocks F")
+                       .replace("--step-cache: last blocks (Bn)", "--step-cache-blocks B")
+                       .replace("--step-cache: warm-up steps", "--step-cache-warmup")
+                       .replace("--step-cache: most consecutive hits", "--step-cache-max-consecutive")) from None
+    if given and settings is not None:
+        base = args.step_cache if args.step_cache != STEP_CACHE_OFF else "quality"
+        say(f"step cache: {base} with {', '.join(given)} ({settings.describe()})")
+    return settings
 
 
 def resolve_frames(args, defaults, say) -> int:
@@ -260,7 +308,7 @@ def check_arguments(args, say) -> GenerationRequest:
         return GenerationRequest(
             prompt=args.prompt, width=width, height=height, num_frames=num_frames, seed=args.seed, **chosen,
             first_frame=args.first_frame, last_frame=args.last_frame, loras=tuple(loras),
-            **read_reference_files(args, num_frames / FPS), names=names)
+            step_cache=parse_step_cache(args, say), **read_reference_files(args, num_frames / FPS), names=names)
     except H3Error as exc:
         raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
                                         "and give the prompt as UTF-8 text")) from None
@@ -327,7 +375,8 @@ def check_large_request(args, sources, request, residency, references=None) -> N
     estimate = estimate_request(sources, device=args.device, width=request.width, height=request.height,
                                 num_frames=request.num_frames, steps=request.steps, dtype=DTYPES[args.dtype],
                                 chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
-                                keyframes=bool(request.anchors), residency=residency, references=references)
+                                keyframes=bool(request.anchors), residency=residency, references=references,
+                                step_cache=request.step_cache is not None)
     memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
     reasons = large_request_reasons(request.width, request.height, request.steps, estimate, memory,
                                     size_name="--size", steps_name="--steps")
@@ -395,7 +444,7 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
                               memory_budget_gb=args.memory_budget, width=request.width, height=request.height,
                               num_frames=request.num_frames, loras=request.loras, keep=args.keep,
                               steps=request.steps, dtype=DTYPES[args.dtype], keyframes=bool(request.anchors),
-                              log=say, references=references)
+                              log=say, references=references, step_cache=request.step_cache is not None)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "
@@ -407,6 +456,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     finally:
         bar.close()
         pipeline.release_all()
+    if result.step_cache is not None:
+        say(result.step_cache.summary())
     written = write_outputs(out, result, before, say)
     report = memory_report(torch.device(args.device))
     if report:

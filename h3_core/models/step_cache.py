@@ -55,11 +55,12 @@ class StepCacheStats:
 class StepCacheRun:
     """The cache's state over one sampling run (one `denoise`): pass it to every model call of that run."""
 
-    def __init__(self, settings: StepCacheSettings, num_blocks: int):
-        settings = check_settings(settings)
+    def __init__(self, settings: StepCacheSettings, num_blocks: int, name: str = "step_cache"):
+        settings = check_settings(settings, name)
         if settings.first_blocks + settings.last_blocks >= num_blocks:
-            raise H3Error(f"step cache: first {settings.first_blocks} + last {settings.last_blocks} blocks leave none "
-                          f"of the transformer's {num_blocks} blocks to skip; lower them.")
+            raise H3Error(f"{name} {settings.name}: {settings.first_blocks} first + {settings.last_blocks} last blocks "
+                          f"always run, which leaves none of this transformer's {num_blocks} blocks to skip; let fewer "
+                          "blocks always run.")
         self.settings = settings
         self.num_blocks = num_blocks
         self.stats = StepCacheStats(settings, num_blocks)

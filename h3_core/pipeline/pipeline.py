@@ -364,7 +364,8 @@ class H3Pipeline:
                          num_condition_video_rows=layout.num_condition_video_rows,
                          num_condition_audio_rows=layout.num_condition_audio_rows, progress=progress,
                          check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget),
-                         step_cache=request.step_cache, step_report=step_report)
+                         step_cache=request.step_cache, step_report=step_report,
+                         step_cache_name=request.names.step_cache)
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape, result.step_cache)
@@ -547,4 +548,4 @@ class H3Pipeline:
         started = time.perf_counter()
         frames, waveform = self.decode(latents, check_interrupt=check_interrupt)
         timings["decode"] = time.perf_counter() - started
-        return GenerationResult(frames, waveform, timings=timings)
+        return GenerationResult(frames, waveform, timings=timings, step_cache=latents.step_cache)

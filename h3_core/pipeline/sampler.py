@@ -129,7 +129,8 @@ class DenoiseResult:
 def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Schedule, video_rows: torch.Tensor,
             audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, num_condition_audio_rows: int = 0,
             progress=None, check_interrupt=None, chunking=None, precompute: bool = True,
-            step_cache: StepCacheSettings | None = None, step_report=None) -> DenoiseResult:
+            step_cache: StepCacheSettings | None = None, step_report=None,
+            step_cache_name: str = "step_cache") -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
@@ -147,7 +148,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
 
     `step_cache` (`StepCacheSettings`, None: off) skips the middle blocks on calls whose first blocks barely change
     (DBCache, see models/step_cache.py); `DenoiseResult.step_cache` says what it did, and `step_report(stats)` gets
-    the `StepCacheStats` so far after each call (with the cache on).
+    the `StepCacheStats` so far after each call (with the cache on); `step_cache_name` names the option in errors.
     """
     if check_interrupt is not None:
         check_interrupt()
@@ -170,12 +171,12 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     total = schedule.num_model_calls
     calls = [row_timesteps(layout, float(schedule.video_timesteps[i]), float(schedule.audio_timesteps[i]))
              for i in range(total)]
+    cache_run = None
+    if step_cache is not None:
+        cache_run = kwargs["step_cache"] = StepCacheRun(step_cache, len(model.blocks), step_cache_name)
     if progress is not None:
         progress(0, total)
     plan = None
-    cache_run = None
-    if step_cache is not None:
-        cache_run = kwargs["step_cache"] = StepCacheRun(step_cache, len(model.blocks))
     with torch.no_grad():
         if precompute:
             if check_interrupt is not None:

@@ -157,9 +157,9 @@ def residencies(plan: MemoryPlan) -> dict[str, str]:
 
 def request_plan(sources, *, budget_bytes: int, device, residencies: dict[str, str], width: int, height: int,
                  num_frames: int, keyframes: bool, steps: int, dtype: torch.dtype | None = None, loras=(),
-                 keep=(), references=None) -> MemoryPlan:
+                 keep=(), references=None, step_cache: bool = False) -> MemoryPlan:
     """The plan of one request with the residencies a pipeline was built with: its transformer chunk budget
     (`dit_chunk_budget`, None: fused), or `MemoryBudgetError` naming the phase over budget."""
     return plan_for_budget(sources, device=device, budget_bytes=budget_bytes, width=width, height=height,
                            num_frames=num_frames, keyframes=keyframes, steps=steps, dtype=dtype, loras=loras,
-                           keep=keep, residency=residencies, references=references)
+                           keep=keep, residency=residencies, references=references, step_cache=step_cache)

@@ -28,6 +28,7 @@ from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
 from ..models.meta_models import meta_model
+from ..models.step_cache import step_cache_activation_bytes
 from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 from ..runtime.chunking import projection_elements_per_row
 from ..runtime.platform import Platform
@@ -133,7 +134,7 @@ def reference_rows_estimate(references) -> int:
 
 def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STEPS,
                   keyframes: bool = False, reference_rows: int = 0,
-                  reference_audio: bool = False) -> tuple[ComponentEstimate, object, int]:
+                  reference_audio: bool = False, step_cache: bool = False) -> tuple[ComponentEstimate, object, int]:
     ckpt = resolve_dit_checkpoint(source)
     c = ckpt.config
     main = ckpt.main_dtype(is_fp32_island)
@@ -159,6 +160,8 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
     # attention kernel's work buffers. Not chunked away.
     full_length += rows * element * DIT_UNCOUNTED_ROW_WIDTHS * c.hidden_size
     fused_temporaries = rows * element * projection_elements_per_row(c)
+    if step_cache:  # its two cached residuals and, while a call decides and runs the middle blocks, two more
+        full_length += step_cache_activation_bytes(rows, c.hidden_size, 1, residual_dtype)
     # The step-invariant precompute's AdaLN tables (host memory through the steps): every block's projection output for each
     # distinct timestep of every call (text and video, audio, visual condition rows (keyframes, reference images and
     # videos), reference audio rows).
@@ -286,7 +289,8 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                     dtype: torch.dtype | None = None, chunk_size: int | None = None, loras=(), keep=(),
                     keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
                     host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
-                    residency: str | Mapping[str, str] | None = None, references=None) -> MemoryPlan:
+                    residency: str | Mapping[str, str] | None = None, references=None,
+                    step_cache: bool = False) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
@@ -302,7 +306,8 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     memory-mapped, and the device bytes of their largest fold step count with the transformer's activations.
 
     `references` (a normalised `references.ReferenceRequest`): a Ref2VA request; its rows count in the
-    transformer's activations and the chunk-size choice, and its reference-encode phases are planned."""
+    transformer's activations and the chunk-size choice, and its reference-encode phases are planned.
+    `step_cache`: the request runs the step cache, whose residuals count in the transformer's activations."""
     if budget_bytes <= 0:
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
     keep = check_keep(keep)
@@ -312,7 +317,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                                       keyframes=keyframes or bool(references) and any(
                                           r.kind != "audio" for r in references.references),
                                       reference_rows=reference_rows, reference_audio=bool(references) and any(
-                                          r.has_audio for r in references.references))
+                                          r.has_audio for r in references.references), step_cache=step_cache)
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer, dtype)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
@@ -347,7 +352,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
                     loras=(), keep=(), keyframes: bool = False, steps: int = DEFAULT_STEPS,
                     dtype: torch.dtype | None = None, log: Callable[[str], None] | None = None,
-                    references=None) -> dict:
+                    references=None, step_cache: bool = False) -> dict:
     """Loader options per component from the user's settings; with a memory budget (GiB), the preflight decides
     (its per-phase breakdown goes to `log`), counting the components in `keep` in every phase, at the run's `dtype`
     and `steps`, with its `residency` unless "auto".
@@ -362,7 +367,8 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
         plan = plan_for_budget(sources, device=device, budget_bytes=int(memory_budget_gb * 2**30), width=width,
                                height=height, num_frames=num_frames, dtype=dtype, chunk_size=chunk_size,
                                loras=loras, keep=keep, keyframes=keyframes, steps=steps,
-                               residency=None if residency == "auto" else residency, references=references)
+                               residency=None if residency == "auto" else residency, references=references,
+                               step_cache=step_cache)
         if log:
             log(plan.describe())
         options = {name: dict(plan.component_options.get(name, {})) for name in COMPONENTS}

@@ -38,14 +38,15 @@ class RequestEstimate:
 
 def estimate_request(sources, *, device, width: int, height: int, num_frames: int, steps: int, dtype=None,
                      chunk_size=None, loras=(), keep=(), keyframes: bool = False,
-                     residency: str | None = None, references=None) -> RequestEstimate:
+                     residency: str | None = None, references=None, step_cache: bool = False) -> RequestEstimate:
     """Memory from the planner's estimates (`planning.plan_for_budget`, weights exact from the headers, activations
     counted per phase) and transformer work from its parameter count and the packed rows: 2 x parameters x rows per
     call for the matmuls plus 4 x rows^2 x attention width per block for attention."""
 
     plan = plan_for_budget(sources, device=device, budget_bytes=1 << 62, width=width, height=height,
                            num_frames=num_frames, dtype=dtype, chunk_size=chunk_size, loras=loras, keep=keep,
-                           keyframes=keyframes, steps=steps, residency=residency, references=references)
+                           keyframes=keyframes, steps=steps, residency=residency, references=references,
+                           step_cache=step_cache)
     ckpt = resolve_dit_checkpoint(sources.transformer)
     c = ckpt.config
     shape = LatentShape.for_request(width, height, num_frames)

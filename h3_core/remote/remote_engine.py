@@ -167,6 +167,11 @@ class RemoteEngine:
             raise H3Error(f"{request.names.loras}: LoRA files on this machine are not sent to a server; name one "
                           "already on the server with server_lora (vLLM-Omni), or set it on the server (sglang serve "
                           "--lora-path, or its /v1/set_lora endpoint). Remove them, or run locally.")
+        if request.step_cache is not None:
+            raise H3Error(f"{request.names.step_cache} {request.step_cache.name}: a server runs its own step cache "
+                          "(SGLang and vLLM-Omni enable Cache-DiT with quality=\"high\", which they accept only on the "
+                          "GPU deployments they audited), so ours cannot be applied there. Set it to off, or run "
+                          "locally.")
         self._check_interrupt = check_interrupt
         try:
             self._check()

@@ -16,3 +16,4 @@ class GenerationResult:
     fps: int = FPS
     sample_rate: int = AUDIO_SAMPLE_RATE
     timings: dict = field(default_factory=dict)
+    step_cache: object = None  # the sampler's `StepCacheStats` (None: the step cache was off, or a remote engine)
