@@ -81,3 +81,12 @@ def test_the_remote_engine_refuses_the_step_cache_before_sending():
         with pytest.raises(H3Error, match="^step_cache fast: a server runs its own step cache"):
             engine.generate("x", width=WIDTH, height=HEIGHT, num_frames=FRAMES, steps=3, step_cache="fast")
         assert server.seen == []
+
+
+def test_too_few_steps_for_a_hit_get_a_note(tiny, run_cli, tmp_path):
+    done = run_cli(["generate", "x", *TINY, "--step-cache", "quality", "--out", tmp_path / "a.mp4"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert ("note: --step-cache quality: 2 model calls and 4 warm-up steps leave no call it can skip; it runs every "
+            "block") in done.stdout
+    assert "step cache quality: 0 of 2 steps cached, 4 of 4 blocks run" in done.stdout
+    assert "0 of 2 steps cached" in done.stderr  # the progress bar's note

@@ -451,8 +451,15 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         f"{request.steps - 1} model calls, seed {request.seed}"
         + "".join(f", LoRA {Path(path).name} x{strength:g}" for path, strength in request.loras))
     bar = ProgressBar("sampling")
+
+    def step_report(stats):
+        bar.note = f", {stats.hits} of {len(stats.decisions)} steps cached"
+
+    if request.step_cache is not None and request.steps - 1 <= request.step_cache.warmup_steps + 1:
+        say(f"note: --step-cache {request.step_cache.name}: {request.steps - 1} model calls and "
+            f"{request.step_cache.warmup_steps} warm-up steps leave no call it can skip; it runs every block")
     try:
-        result = pipeline.generate(request, progress=bar)
+        result = pipeline.generate(request, progress=bar, step_report=step_report)
     finally:
         bar.close()
         pipeline.release_all()

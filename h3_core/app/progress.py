@@ -14,6 +14,7 @@ class ProgressBar:
     def __init__(self, label: str, stream=None):
         self.label, self.stream, self.started = label, stream or sys.stderr, time.perf_counter()
         self.line_open = False  # the bar's line is not finished yet: anything printed next needs a newline first
+        self.note = ""  # appended to the line (e.g. the step cache's hits so far)
 
     def __call__(self, done: int, total: int) -> None:
         if done == 0:  # sampling starts: time from here, not from the model loading before it
@@ -23,7 +24,7 @@ class ProgressBar:
         elapsed = time.perf_counter() - self.started
         eta = elapsed / done * (total - done) if done else 0.0
         self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-                          f"{elapsed:.1f}s elapsed, ~{eta:.1f}s left")
+                          f"{elapsed:.1f}s elapsed, ~{eta:.1f}s left{self.note}")
         self.line_open = done < total
         if not self.line_open:
             self.stream.write("\n")

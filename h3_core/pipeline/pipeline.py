@@ -530,20 +530,21 @@ class H3Pipeline:
 
     @serialised
     def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
-                 **fields) -> GenerationResult:
+                 step_report=None, **fields) -> GenerationResult:
         """Text encode, sample and decode one request: a `GenerationRequest`, or a prompt and the request's fields as
         keywords (`width`, `height`, `num_frames`, `steps`, `seed`, `first_frame`, `reference_images`, ...: see
         `GenerationRequest`). The request is checked before any component loads (the CLI's large-request preflight,
         `planning.request_estimate.estimate_request`, is left to the caller). References need the Ref2VA
         transformer (`partition="ref2va"`). `check_interrupt()` runs in every phase (between layers, blocks, row
-        chunks, attention query calls and decoder tiles) and may raise to stop; the components stay usable."""
+        chunks, attention query calls and decoder tiles) and may raise to stop; the components stay usable.
+        `step_report(stats)`: the step cache's figures after each model call (see `sample`)."""
         request = GenerationRequest.of(request, fields)
         timings = {}
         started = time.perf_counter()
         cond = self.encode_prompt(request, check_interrupt=check_interrupt)
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
-        latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt)
+        latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt, step_report=step_report)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
         frames, waveform = self.decode(latents, check_interrupt=check_interrupt)
