@@ -603,7 +603,7 @@ class H3DiT(nn.Module):
             step_cache.begin_call()
             order = step_cache.planned_order()  # the likely path: the reads ahead follow it
             for r in passes:
-                r.set_order(order)
+                r.set_order(order, next_head=step_cache.first_blocks)
         # The passes begin before the input projections: streamed blocks start arriving while those run.
         for r in passes:
             r.begin_pass()
@@ -651,7 +651,7 @@ class H3DiT(nn.Module):
                     block_input = None
                     order = step_cache.order_after_decision(hit)
                     for r in passes:
-                        r.set_order(order)
+                        r.set_order(order, next_head=step_cache.first_blocks)
                     if hit:
                         x = step_cache.apply(x)
                     else:

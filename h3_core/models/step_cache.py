@@ -78,6 +78,11 @@ class StepCacheRun:
         return range(s.first_blocks, self.num_blocks - s.last_blocks)
 
     @property
+    def first_blocks(self) -> range:
+        """The blocks every call runs first (the next call's head, whatever this one decides)."""
+        return range(self.settings.first_blocks)
+
+    @property
     def decision_block(self) -> int:
         """The block after which the call decides (the last of the first blocks)."""
         return self.settings.first_blocks - 1

@@ -235,9 +235,9 @@ class LayerwiseOffloadManager(BlockResidency):
             self._store.prefetch_head()
         self._sample()
 
-    def set_order(self, blocks) -> None:
+    def set_order(self, blocks, next_head=()) -> None:
         """See `BlockResidency.set_order`. Prefetched blocks left out are dropped, and the host store's reads
-        ahead follow the new set (`StagedReads.plan`)."""
+        ahead follow the new set (`StagedReads.plan`), then `next_head` when the next pass's head is read ahead."""
         self._require_attached()
         planned = None
         if blocks is not None:
@@ -246,7 +246,8 @@ class LayerwiseOffloadManager(BlockResidency):
                 self._check_index(index)
         self._planned = planned
         if hasattr(self._store, "plan"):
-            self._store.plan(None if planned is None else [i for i in self.streamed if i in planned])
+            self._store.plan(None if planned is None else [i for i in self.streamed if i in planned],
+                             next_head=[i for i in next_head if i in self.streamed] if self.read_next_pass else ())
         if not self._in_pass:
             return
         for slot, state in enumerate(self._slots.states):

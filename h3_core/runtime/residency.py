@@ -70,10 +70,11 @@ class BlockResidency:
 
     def prefetch(self, index: int) -> None: ...
 
-    def set_order(self, blocks) -> None:
+    def set_order(self, blocks, next_head=()) -> None:
         """The blocks this pass will acquire (ascending; None: all), so that loads and reads ahead skip the others
-        (a step cache's hit skips the middle blocks). Called before `begin_pass` for the pass's likely path and during
-        it once the path is known; `end_pass` resets it. Nothing to do when every weight stays on the device."""
+        (a step cache's hit skips the middle blocks), and `next_head`, those the next pass surely starts with (read
+        ahead after this pass's last). Called before `begin_pass` for the pass's likely path and during it once the
+        path is known; `end_pass` resets it. Nothing to do when every weight stays on the device."""
 
     def resident_set(self) -> frozenset[int]:
         raise NotImplementedError

@@ -106,6 +106,7 @@ class StagedReads:
         self._staged: dict[int, tuple[int, Future]] = {}  # unit -> (buffer, its read), not yet taken
         self._last_taken: int | None = None
         self._planned: frozenset[int] | None = None  # `plan`: the units this pass will take (None: all)
+        self._next_head: tuple[int, ...] = ()
         self._staged_after: dict[int, object] = {}
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._pin_budget = pin_budget if pin_budget is not None else PinBudget(0)
@@ -346,13 +347,16 @@ class StagedReads:
         self._staged_after[unit] = after  # back to `_after` if `plan` cancels the read before it waits
         return True
 
-    def plan(self, units) -> None:
+    def plan(self, units, next_head=()) -> None:
         """The units this pass will still take (None: all, in `streamed` order): reads ahead follow them, and
-        reads already staged for units left out are dropped (a pending one is cancelled, a running one awaited)."""
+        reads already staged for units left out are dropped (a pending one is cancelled, a running one awaited).
+        `next_head`: units the next pass surely starts with, read ahead once this pass's last planned units are
+        staged (a short pass then overlaps the next one's first reads with its own compute)."""
         self._planned = None if units is None else frozenset(units)
+        self._next_head = () if units is None else tuple(u for u in next_head if u not in self.slabs)
         if self._planned is None:
             return
-        for unit in [u for u in self._staged if u not in self._planned]:
+        for unit in [u for u in self._staged if u not in self._planned and u not in self._next_head]:
             index, future = self._staged.pop(unit)
             after = self._staged_after.pop(unit, None)
             if future.cancel():
@@ -372,7 +376,10 @@ class StagedReads:
         if unit not in order or not self.read_ahead:
             return []
         at = order.index(unit)
-        return order[at + 1: at + 1 + self.read_ahead]  # the next pass's head: `prefetch_head`, when it comes
+        ahead = order[at + 1: at + 1 + self.read_ahead]  # else the next pass's head: `prefetch_head`, when it comes
+        if len(ahead) < self.read_ahead and self._next_head:
+            ahead += [u for u in self._next_head if u not in ahead][: self.read_ahead - len(ahead)]
+        return ahead
 
     def _top_up(self) -> None:
         if self._last_taken is not None:
