@@ -257,3 +257,20 @@ def test_the_cache_holds_what_the_plan_counts(checkpoint, request_):
     with torch.no_grad():
         model(video[None], audio[None], text[None], timestep, indices, step_cache=run, **kwargs)
     assert run.held_bytes == 2 * rows * SMALL.hidden_size * 4
+
+
+def test_the_bytes_read_per_call_add_up_to_every_byte_read(checkpoint, request_):
+    model = load(checkpoint, "layerwise")
+    before = model.block_residency.bytes_read
+    result = sample(model, request_, step_cache=WIDER)
+    stats = result.step_cache
+    total = model.block_residency.bytes_read - before
+    unit = model.block_residency.store.unit_bytes(3)  # a middle block's bytes
+    assert sum(stats.bytes_read) == total  # (the precompute's pass streams the AdaLN projections apart)
+    # A cached call reads at most the blocks it runs, the next call's first and one block read ahead on a path
+    # guessed wrong; a call that runs every block reads at least its middle ones.
+    for hit, read in zip(stats.decisions, stats.bytes_read):
+        if hit:
+            assert read <= (WIDER.first_blocks + WIDER.last_blocks + 2) * unit
+        else:
+            assert read >= (N - WIDER.first_blocks - WIDER.last_blocks) * unit

@@ -119,16 +119,20 @@ class StepCacheRun:
         """After the first blocks: True when the middle blocks are skipped (then `apply` gives their output)."""
         first_residual = first_output - block_input.to(first_output.device)
         hit, change = False, None
+        previous = self._first_residual
+        comparable = previous is not None and previous.shape == first_residual.shape
         if self._may_hit():
             threshold = self.settings.threshold
             if threshold >= 1.0:
                 hit = True
-            elif self._first_residual.shape == first_residual.shape:
-                previous = self._first_residual
-                change = ((previous - first_residual).abs().mean() / previous.abs().mean()).item()
+            elif comparable:
+                change = relative_change(previous, first_residual)
                 hit = change < threshold
         if change is not None:
             self._last_change = change
+        elif comparable and self._step < self.settings.warmup_steps and 0.0 < self.settings.threshold < 1.0:
+            # Measured in the warm-up only to guess the first call after it (cache-dit decides nothing there).
+            self._last_change = relative_change(previous, first_residual)
         if hit:
             self._consecutive += 1
         else:
@@ -154,6 +158,11 @@ class StepCacheRun:
         """Device bytes the cached residuals take now."""
         return sum(t.numel() * t.element_size() for t in (self._first_residual, self._middle_residual)
                    if t is not None)
+
+
+def relative_change(previous: torch.Tensor, current: torch.Tensor) -> float:
+    """cache-dit's measure: `mean|previous - current| / mean|previous|`."""
+    return ((previous - current).abs().mean() / previous.abs().mean()).item()
 
 
 def step_cache_activation_bytes(rows: int, hidden_size: int, batch: int, dtype: torch.dtype) -> int:

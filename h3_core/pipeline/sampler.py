@@ -171,6 +171,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     total = schedule.num_model_calls
     calls = [row_timesteps(layout, float(schedule.video_timesteps[i]), float(schedule.audio_timesteps[i]))
              for i in range(total)]
+    residency = getattr(model, "block_residency", None) if step_cache is not None else None
     cache_run = None
     if step_cache is not None:
         cache_run = kwargs["step_cache"] = StepCacheRun(step_cache, len(model.blocks), step_cache_name)
@@ -190,12 +191,14 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
             timestep, timestep_indices = calls[i]
             if plan is not None:
                 kwargs["modulation"] = plan.call(timestep)
+            read_before = residency.bytes_read if residency is not None else 0
             v_video, v_audio = model(video[None], audio[None], text, timestep.to(device),
                                      timestep_indices.to(device), **kwargs)
             if cache_run is not None:
-                residency = getattr(model, "block_residency", None)
-                last = residency.stats().last_pass if residency is not None else None
-                cache_run.stats.bytes_read.append(last.bytes_read if last is not None else 0)
+                # The reads finished during this call (the next call's first block's among them): the counter is
+                # cumulative, so the calls add up to every byte read.
+                cache_run.stats.bytes_read.append((residency.bytes_read if residency is not None else 0)
+                                                  - read_before)
                 if step_report is not None:
                     step_report(cache_run.stats)
             for name, velocity in (("video", v_video), ("audio", v_audio)):

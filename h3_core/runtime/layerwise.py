@@ -397,6 +397,11 @@ class LayerwiseOffloadManager(BlockResidency):
         self._require_attached()
         return self._store
 
+    @property
+    def bytes_read(self) -> int:
+        counters = getattr(self._store, "counters", None) if self._attached else None
+        return counters.bytes_read if counters is not None else 0
+
     def materialised_streamed(self) -> list[int]:
         """Streamed blocks whose weights are on the device now (loaded, prefetched or acquired)."""
         return sorted(self._slots.holding(SlotState.LOADING, SlotState.READY, SlotState.IN_USE))

@@ -79,6 +79,11 @@ class BlockResidency:
     def resident_set(self) -> frozenset[int]:
         raise NotImplementedError
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from checkpoint files so far, all passes together (0 for weights that are not streamed)."""
+        return 0
+
     def set_transform(self, transform) -> None:
         """Edit weights when they are materialised (see `LayerwiseOffloadManager.set_transform`); resident weights are
         never materialised, so there is nothing to do: their owner changes them itself."""

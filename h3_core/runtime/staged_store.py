@@ -269,8 +269,7 @@ class StagedReads:
             self._pending_drop = self.unit_segments(unit)
 
     def _advise(self, unit: int) -> None:
-        order = [u for u in self.streamed if u not in self.slabs]
-        wanted = [unit] + ([order[order.index(unit) + 1]] if unit in order[:-1] else [])
+        wanted = [unit] + self._following(unit, 1)
         for u in wanted:
             if u not in self._advised:
                 self._advised.add(u)
@@ -370,16 +369,21 @@ class StagedReads:
             self._free.append(index)
         self._top_up()
 
-    def _upcoming(self, unit: int) -> list[int]:
-        order = [u for u in self.streamed if u not in self.slabs and (self._planned is None or u in self._planned
-                                                                       or u == unit)]
-        if unit not in order or not self.read_ahead:
+    def _following(self, unit: int, count: int) -> list[int]:
+        """The `count` units taken after `unit`: this pass's planned ones, then the `plan`'s next head (else the next
+        pass's head waits for `prefetch_head`)."""
+        planned, next_head = self._planned, self._next_head  # one snapshot (the reader thread asks too)
+        order = [u for u in self.streamed if u not in self.slabs and (planned is None or u in planned or u == unit)]
+        if unit not in order:
             return []
         at = order.index(unit)
-        ahead = order[at + 1: at + 1 + self.read_ahead]  # else the next pass's head: `prefetch_head`, when it comes
-        if len(ahead) < self.read_ahead and self._next_head:
-            ahead += [u for u in self._next_head if u not in ahead][: self.read_ahead - len(ahead)]
+        ahead = order[at + 1: at + 1 + count]
+        if len(ahead) < count and next_head:
+            ahead += [u for u in next_head if u not in ahead][: count - len(ahead)]
         return ahead
+
+    def _upcoming(self, unit: int) -> list[int]:
+        return self._following(unit, self.read_ahead) if self.read_ahead else []
 
     def _top_up(self) -> None:
         if self._last_taken is not None:
