@@ -13,13 +13,14 @@ from .sockets import H3Refs
 
 
 def _remote_sampler_inputs() -> list:
-    """The sampler's widgets without chunk_size (this machine's memory setting: a server has its own), the seed within
-    the servers' signed 64-bit range (so that ComfyUI's randomize never picks one they refuse)."""
+    """The sampler's widgets without chunk_size (this machine's memory setting: a server has its own) and step_cache
+    (this machine's sampling loop: a server's cache is set when it starts), the seed within the servers' signed
+    64-bit range (so that ComfyUI's randomize never picks one they refuse)."""
     from h3_core.remote.serving_rules import SERVER_SEED_MAX
 
     widgets = []
     for widget in sampler_inputs():
-        if widget.id == "chunk_size":
+        if widget.id in ("chunk_size", "step_cache"):
             continue
         if widget.id == "seed":
             widget = io.Int.Input("seed", default=0, min=0, max=SERVER_SEED_MAX, control_after_generate=True,

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
+from h3_core.step_cache_settings import STEP_CACHE_OFF
+
 from . import comfy_runtime
 from .request_inputs import (canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames,
                              sampler_inputs)
 from .sockets import H3Cond, H3Latent, H3Model
-from .telemetry import phase
+from .telemetry import phase, step_cache_line, step_cache_report
 
 DESCRIPTION = ("Denoises video and stereo audio latents together with H3's flow-matching Euler sampler. Cancel "
                "stops within about a second on a CPU, at any size (between blocks and between the chunks of one).")
@@ -30,9 +32,10 @@ class H3StreamAVSampler(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, h3_model, h3_cond, steps, seed, video_shift, audio_shift, chunk_size) -> io.NodeOutput:
+    def execute(cls, h3_model, h3_cond, steps, seed, video_shift, audio_shift, chunk_size,
+                step_cache=STEP_CACHE_OFF) -> io.NodeOutput:
         request = h3_cond.request.replace(steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                                          loras=h3_model.loras)
+                                          loras=h3_model.loras, step_cache=step_cache)
         return sample(cls.hidden.unique_id, h3_model, h3_cond, request, chunk_size)
 
 
@@ -63,10 +66,10 @@ class H3StreamSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, h3_cond, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
-                chunk_size) -> io.NodeOutput:
+                chunk_size, step_cache=STEP_CACHE_OFF) -> io.NodeOutput:
         request = h3_cond.request.replace(width=width, height=height, num_frames=num_frames(seconds, frames),
                                           steps=steps, seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                                          loras=h3_model.loras, names=names_for(frames))
+                                          loras=h3_model.loras, step_cache=step_cache, names=names_for(frames))
         return sample(cls.hidden.unique_id, h3_model, h3_cond, request, chunk_size)
 
 
@@ -76,12 +79,17 @@ def sample(node_id, h3_model, cond, request, chunk_size) -> io.NodeOutput:
     memory_budget = None
     if settings.profile_budget_bytes is not None and chunk_size == 0:
         memory_budget = request_chunk_budget(h3_model, cond, request, node_id=node_id)
-    with phase(node_id, h3_model, "sampling", pipeline.sampling_sources(cond), blocks_of="transformer"):
-        bar = comfy_runtime.progress_bar(max(1, request.steps - 1), node_id=node_id)
+    calls = max(1, request.steps - 1)
+    with phase(node_id, h3_model, "sampling", pipeline.sampling_sources(cond), blocks_of="transformer") as report:
+        bar = comfy_runtime.progress_bar(calls, node_id=node_id)
         latents = pipeline.sample(cond, request, progress=lambda step, total: bar.update_absolute(step, total),
                                   check_interrupt=comfy_runtime.check_interrupt,
                                   chunk_size=chunk_size if chunk_size > 0 else None, memory_budget=memory_budget,
-                                  between_chunks=settings.reclaim_between_chunks(comfy_runtime.soft_empty_cache))
+                                  between_chunks=settings.reclaim_between_chunks(comfy_runtime.soft_empty_cache),
+                                  step_report=lambda stats: comfy_runtime.send_progress_text(
+                                      node_id, step_cache_line(stats, calls)))
+        if latents.step_cache is not None:  # off: the report is today's
+            report.update(step_cache_report(latents.step_cache))
     return io.NodeOutput(latents)
 
 
@@ -99,7 +107,7 @@ def request_chunk_budget(h3_model, cond, request, *, node_id) -> int | None:
                             residencies=settings.core_residencies(), width=request.width, height=request.height,
                             num_frames=request.num_frames, keyframes=bool(cond.keyframes), steps=request.steps,
                             dtype=settings.torch_dtype, loras=h3_model.loras, keep=resident,
-                            references=cond.references)
+                            references=cond.references, step_cache=request.step_cache is not None)
     except MemoryBudgetError as error:
         why = error.args[0].splitlines()[0].rstrip(".")
         n = request.names

@@ -46,10 +46,13 @@ def gib(value) -> str:
 @contextlib.contextmanager
 def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
     """Measure the device peak over the body and send the report when it finishes. `blocks_of` names a component
-    whose block placement (resident / total blocks) the report adds, read from the pipeline once the body ran."""
+    whose block placement (resident / total blocks) the report adds, read from the pipeline once the body ran. The
+    body gets a dict: what it puts there (e.g. `step_cache_report`) goes into the same report, so the badge and the
+    progress text stay one message."""
     pipeline = handle.pipeline
     device_peak = DevicePeak(pipeline.device)
-    yield
+    extra = {}
+    yield extra
     report = dict(phase=phase, device=str(pipeline.device), peak_device_bytes=device_peak.bytes(),
                   peak_host_bytes=host_peak_bytes())
     placement = pipeline.residency_summary(blocks_of) if blocks_of else None
@@ -58,19 +61,20 @@ def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
         if placement.lora_files:
             report.update(lora_files=placement.lora_files, lora_bytes_moved=placement.lora_bytes_moved,
                           lora_fold_peak_bytes=placement.lora_fold_peak_bytes)
+    report.update(extra)
     comfy_runtime.send_memory_report(node_id, report, summary(report))
 
 
 @contextlib.contextmanager
 def phase(node_id, handle, name: str, needs: dict, *, blocks_of: str | None = None):
     """One pipeline phase as a node runs it: room made in ComfyUI's model management for the components it loads
-    (`needs`: name -> files), a cancel seen before it starts, its memory report sent when it ends, the device cache
-    emptied after it."""
+    (`needs`: name -> files), a cancel seen before it starts, its memory report sent when it ends (the body's dict
+    adds to it: see `memory_report`), the device cache emptied after it."""
     pipeline = handle.pipeline
     comfy_runtime.free_memory_for(needs, handle.settings, pipeline.device)
-    with memory_report(node_id, handle, name, blocks_of=blocks_of):
+    with memory_report(node_id, handle, name, blocks_of=blocks_of) as extra:
         comfy_runtime.check_interrupt()
-        yield
+        yield extra
     comfy_runtime.soft_empty_cache()
 
 
@@ -82,4 +86,26 @@ def summary(report: dict) -> str:
     if report.get("lora_files"):
         parts.append(f"{report['lora_files']} LoRA(s): {report['lora_bytes_moved'] / 2**20:.1f} MiB folded in, "
                      f"fold peak {report['lora_fold_peak_bytes'] / 2**20:.1f} MiB")
+    if report.get("step_cache"):
+        parts.append(report["step_cache"])
     return f"{report['phase']}: " + ", ".join(parts)
+
+
+def step_cache_report(stats) -> dict:
+    """The report's fields for what the step cache did in a run (`StepCacheStats`): its summary for the progress
+    text, the hits and calls for the badge."""
+    return dict(step_cache=stats.summary(), step_cache_hits=stats.hits, step_cache_calls=len(stats.decisions))
+
+
+def step_cache_line(stats, total_calls: int) -> str:
+    """The progress text after one transformer call with the step cache on: that call's outcome and the run so
+    far (the summary replaces it when the phase's report comes)."""
+    call = len(stats.decisions)
+    outcome = "cached" if stats.decisions[-1] else "computed"
+    text = (f"step {call}/{total_calls}: {outcome} ({stats.hits} of {call} cached so far), "
+            f"{stats.blocks_run[-1]} of {stats.num_blocks} blocks run")
+    read = stats.bytes_read[-1] if stats.bytes_read else 0
+    if read:  # only a streamed transformer reads weights during a call
+        # MiB under a GiB: one block of a small model reads well under 0.01 GiB, which would print as nothing.
+        text += f", {gib(read) if read >= GIB else f'{read / 2**20:.1f} MiB'} read"
+    return text

@@ -521,6 +521,125 @@ def test_request_mistakes_are_one_error_in_the_widgets_words(pack):
         run(sampler, "3", h3_model=handle, h3_cond=encode(pack, handle), **{**LEGACY_SAMPLER, "width": 100})
 
 
+# ---- step cache ------------------------------------------------------------------------------------------------
+# 30 steps (29 calls): enough for "quality" to cache on the tiny model (at 13 steps its first block's change stays
+# just above the 0.04 threshold); both kinds of call happen.
+CACHED_STEPS = 30
+
+
+@pytest.mark.parametrize("node_id", ["H3StreamAVSampler", "H3StreamSampler"])
+def test_both_samplers_end_with_an_optional_step_cache_combo_of_the_presets(pack, node_id):
+    from h3_core.step_cache_settings import STEP_CACHE_PRESETS
+
+    widget = pack[node_id].GET_SCHEMA().inputs[-1]
+    assert widget.id == "step_cache" and widget.get_io_type() == "COMBO"
+    assert widget.options == list(STEP_CACHE_PRESETS) == ["off", "quality", "fast"]
+    # Optional and last: a prompt saved before it has no value (ComfyUI would refuse a missing required input).
+    assert widget.default == "off" and widget.optional
+    for words in ("off: exactly the uncached output", 'quality="high"', "SSIM 0.971 / PSNR 34.98 dB",
+                  "fast: SGLang's generic Cache-DiT default"):
+        assert words in widget.tooltip
+
+
+def test_the_sampler_samples_with_the_chosen_preset_and_off_is_todays_output(pack, recorders):
+    from h3_core.step_cache_settings import STEP_CACHE_PRESETS
+
+    handle = load(pack)
+    cond = encode(pack, handle)
+    settings = {**SAMPLER, "steps": CACHED_STEPS}
+    legacy_settings = {**LEGACY_SAMPLER, "steps": CACHED_STEPS}
+    before, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **settings)  # no widget value
+    off, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **settings, step_cache="off")
+    assert before.step_cache is None and off.step_cache is None
+    assert torch.equal(off.video, before.video) and torch.equal(off.audio, before.audio)
+    for preset in ("quality", "fast"):
+        latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **settings, step_cache=preset)
+        legacy, = run(pack["H3StreamSampler"], "3", h3_model=handle, h3_cond=cond, **legacy_settings,
+                      step_cache=preset)
+        assert latents.step_cache.settings == legacy.step_cache.settings == STEP_CACHE_PRESETS[preset]
+        assert latents.step_cache.decisions == legacy.step_cache.decisions
+        assert 0 < latents.step_cache.hits < CACHED_STEPS - 1
+        assert torch.equal(latents.video, legacy.video)
+        assert not torch.equal(latents.video, off.video)  # cached calls reuse residuals: other numbers
+
+
+def test_a_step_cache_that_is_not_a_preset_is_one_error_naming_the_widget(pack):
+    from h3_core.errors import H3Error
+
+    handle = load(pack)
+    cond = encode(pack, handle)
+    for node, inputs in ((pack["H3StreamAVSampler"], SAMPLER), (pack["H3StreamSampler"], LEGACY_SAMPLER)):
+        with pytest.raises(H3Error) as caught:
+            run(node, "3", h3_model=handle, h3_cond=cond, **inputs, step_cache="turbo")
+        assert str(caught.value) == "step_cache 'turbo' is not a preset; use one of off, quality, fast."
+
+
+def test_the_progress_text_shows_each_call_and_the_badge_the_cached_steps(pack, recorders):
+    import server
+
+    server.PromptServer.instance.client_id = "tab-a"
+    handle = load(pack)
+    cond = encode(pack, handle)
+    recorders["messages"].clear()
+    latents, = run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond,
+                   **{**SAMPLER, "steps": CACHED_STEPS}, step_cache="quality")
+    stats, calls = latents.step_cache, CACHED_STEPS - 1
+    texts = [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"]
+    # One line after each transformer call, then the phase's report (the same text as the badge's message).
+    assert len(texts) == calls + 1
+    for call, text in enumerate(texts[:-1], start=1):
+        hit = stats.decisions[call - 1]
+        so_far = sum(stats.decisions[:call])
+        read = stats.bytes_read[call - 1]  # the transformer is streamed here: a call reads the blocks not yet held
+        assert text == (f"step {call}/{calls}: {'cached' if hit else 'computed'} ({so_far} of {call} cached so far), "
+                        f"{1 if hit else 2} of 2 blocks run" + (f", {read / 2**20:.1f} MiB read" if read else ""))
+    assert any(stats.bytes_read)
+    assert stats.hits > 0 and any(": cached (" in text for text in texts)
+    assert texts[-1].startswith("sampling: ") and texts[-1].endswith(stats.summary())
+    assert f"{stats.hits} of {calls} steps cached" in texts[-1]
+    badge, = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
+    assert (badge["step_cache_hits"], badge["step_cache_calls"]) == (stats.hits, calls)
+    assert badge["step_cache"] == stats.summary()
+    # Off: today's report, no step lines.
+    recorders["messages"].clear()
+    run(pack["H3StreamAVSampler"], "3", h3_model=handle, h3_cond=cond, **SAMPLER, step_cache="off")
+    off_badge, = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
+    assert not {key for key in off_badge if key.startswith("step_cache")}
+    assert [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"] == \
+        [f"sampling: device peak n/a, host peak {off_badge['peak_host_bytes'] / 2**30:.2f} GiB, 0/2 blocks resident"]
+
+
+def test_a_cancelled_cached_run_leaves_the_sampler_usable(pack, recorders):
+    """Cancel pressed in the middle of a cached run (after the first hit): the next cached run is bitwise a run that
+    was never cancelled (no residual of the cancelled run is reused)."""
+    import comfy.model_management as mm
+
+    handle = load(pack)
+    cond = encode(pack, handle)
+    sample = pack["H3StreamAVSampler"]
+    inputs = {**SAMPLER, "steps": CACHED_STEPS}
+    clean, = run(sample, "3", h3_model=handle, h3_cond=cond, **inputs, step_cache="quality")
+    first_hit = clean.step_cache.decisions.index(True)
+    transformer = handle.pipeline.component("transformer")
+    calls = []
+
+    def cancel_after_the_first_hit(module, args, output):
+        calls.append(1)
+        if len(calls) == first_hit + 2:  # block 0 of the call after the first hit
+            mm.interrupt_current_processing(True)
+
+    press_cancel = transformer.blocks[0].register_forward_hook(cancel_after_the_first_hit)
+    try:
+        with pytest.raises(mm.InterruptProcessingException):
+            run(sample, "3", h3_model=handle, h3_cond=cond, **inputs, step_cache="quality")
+    finally:
+        press_cancel.remove()
+    assert len(calls) == first_hit + 2
+    again, = run(sample, "3", h3_model=handle, h3_cond=cond, **inputs, step_cache="quality")
+    assert again.step_cache.decisions == clean.step_cache.decisions
+    assert torch.equal(again.video, clean.video) and torch.equal(again.audio, clean.audio)
+
+
 def test_unload_releases_every_component(pack):
     handle = load(pack)
     cond = encode(pack, handle)

@@ -72,6 +72,10 @@ for (const device of ["cpu", "mps"]) {
     sampler.onDrawForeground(ctx);
     result.drawn = drawn;
     result.node_height = sampler.size[1];
+    api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: null, peak_host_bytes: 2 ** 30,
+                                       resident_blocks: 0, total_blocks: 2, step_cache_hits: 9, step_cache_calls: 29,
+                                       step_cache: "step cache quality: 9 of 29 steps cached, 49 of 58 blocks run" });
+    result.cached_badge = sampler.h3StreamBadge;
     for (const event of ["execution_start", "execution_error", "execution_interrupted"]) {
       api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: 1, peak_host_bytes: 1 });
       api.dispatch(event, {});
@@ -113,6 +117,8 @@ def test_memory_badge_and_mps_only_widgets(tmp_path):
     assert result["mps"] == {"source": False, "mps_reclaim_every": False}
     assert result["cpu_other_drawn"] == "undefined"  # other packs' nodes are left alone
     assert result["badge"] == "sampling: dev 3.00 GiB · host 0.50 GiB · blocks 4/50 resident"
+    # With a step cache on, the sampler's badge says how many of its transformer calls were cached.
+    assert result["cached_badge"] == "sampling: dev n/a · host 1.00 GiB · blocks 0/2 resident · cached 9/29 steps"
     assert result["redrawn"] >= 1 and [text for text, _ in result["drawn"]] == [result["badge"]]
     # Drawn under the node's bottom edge, clear of the title bar's own badges (node source, id).
     assert all(y > result["node_height"] for _, y in result["drawn"])

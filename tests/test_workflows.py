@@ -41,11 +41,15 @@ def inputs_in_order(node_type: str):
             yield name, info["input"][group][name], group == "required"
 
 
-def _take_widgets(specs, values: list, inputs: dict, node_id, prefix: str = "") -> None:
+def _take_widgets(specs, values: list, inputs: dict, node_id, prefix: str = "", saved_before: bool = False) -> None:
     """Widget values in the frontend's order: each widget, and right after a dynamic combo the widgets of the
-    option it holds (their prompt keys `<combo>.<input>`)."""
+    option it holds (their prompt keys `<combo>.<input>`). `saved_before`: the workflow was saved before its last
+    widgets existed; the frontend sets the values it has by position, and the widgets past them keep their defaults."""
     for name, spec in specs:
         if not is_widget(spec):
+            continue
+        if not values and saved_before:
+            inputs[prefix + name] = spec[1]["default"]
             continue
         assert values, f"node {node_id}: no widget value left for {prefix}{name}"
         value = inputs[prefix + name] = values.pop(0)
@@ -54,12 +58,12 @@ def _take_widgets(specs, values: list, inputs: dict, node_id, prefix: str = "") 
         if spec[0] == "COMFY_DYNAMICCOMBO_V3":
             option, = [o for o in spec[1]["options"] if o["key"] == value]
             nested = [(n, s) for group in ("required", "optional") for n, s in option["inputs"].get(group, {}).items()]
-            _take_widgets(nested, values, inputs, node_id, f"{prefix}{name}.")
+            _take_widgets(nested, values, inputs, node_id, f"{prefix}{name}.", saved_before)
 
 
-def ui_to_api(workflow: dict) -> dict:
+def ui_to_api(workflow: dict, saved_before: bool = False) -> dict:
     """What the frontend queues for a UI workflow: widget values by widget order, links as [origin id, slot];
-    notes (frontend-only nodes) are not queued."""
+    notes (frontend-only nodes) are not queued. `saved_before`: see `_take_widgets`."""
     links = {link["id"]: link for link in workflow["links"]}
     prompt = {}
     for node in workflow["nodes"]:
@@ -69,7 +73,8 @@ def ui_to_api(workflow: dict) -> dict:
         assert node["mode"] == 0, f"node {node['id']} is muted or bypassed"
         values = list(node.get("widgets_values", []))
         inputs = {}
-        _take_widgets([(name, spec) for name, spec, _ in inputs_in_order(node["type"])], values, inputs, node["id"])
+        _take_widgets([(name, spec) for name, spec, _ in inputs_in_order(node["type"])], values, inputs, node["id"],
+                      saved_before=saved_before)
         assert not values, f"node {node['id']} ({node['type']}): {len(values)} widget values too many"
         for slot in node.get("inputs", []):
             if slot.get("link") is not None:
@@ -224,6 +229,40 @@ def test_examples_saved_before_the_request_moved_still_validate(path, executor):
     prompt = json.loads(path.read_text())
     assert {"H3StreamTextEncode", "H3StreamSampler"} <= {node["class_type"] for node in prompt.values()}
     executor.validate(prompt)
+
+
+LEGACY_UI_FILES = sorted(p for p in (Path(__file__).parent / "legacy_workflows").glob("*.json")
+                         if not p.name.endswith(".api.json"))
+
+
+@pytest.mark.parametrize("path", LEGACY_UI_FILES, ids=lambda p: p.stem)
+def test_a_workflow_saved_before_the_step_cache_loads_with_it_off(path):
+    """The sampler's step_cache came after these were saved: their sampler has no value for it (the strict
+    conversion says so), the frontend leaves the widget at its default, off, and queues the rest as saved."""
+    workflow = json.loads(path.read_text())
+    with pytest.raises(AssertionError, match="no widget value left for step_cache"):
+        ui_to_api(workflow)
+    prompt = ui_to_api(workflow, saved_before=True)
+    sampler, = [node["inputs"] for node in prompt.values() if node["class_type"] == "H3StreamSampler"]
+    assert sampler["step_cache"] == "off"
+    twin = json.loads(path.with_name(path.stem + ".api.json").read_text())
+    saved = {k: {"class_type": v["class_type"], "inputs": v["inputs"]} for k, v in twin.items()}
+    assert all("step_cache" not in node["inputs"] for node in saved.values())  # the API twin predates it too
+    del sampler["step_cache"]
+    assert prompt == saved
+
+
+def test_an_api_prompt_saved_before_the_step_cache_samples_as_with_it_off(executor):
+    """ComfyUI passes no value for an optional input a prompt lacks: the sampler's default, off, bitwise."""
+    prompt = json.loads((Path(__file__).parent / "legacy_workflows" / "h3_stream_t2va_tiny.api.json").read_text())
+    sampler = next(k for k, node in prompt.items() if node["class_type"] == "H3StreamSampler")
+    assert "step_cache" not in prompt[sampler]["inputs"]
+    before = executor.run(prompt).outputs[sampler][0]
+    prompt[sampler]["inputs"]["step_cache"] = "off"
+    off = executor.run(prompt).outputs[sampler][0]
+    assert off is not before  # a new input value: the sampler ran again
+    assert before.step_cache is None and off.step_cache is None
+    assert torch.equal(before.video, off.video) and torch.equal(before.audio, off.audio)
 
 
 def test_the_ref2va_example_saved_before_the_request_moved_still_runs(executor):

@@ -20,6 +20,8 @@ function gib(bytes) {
 function badgeText(report) {
   const parts = [`dev ${gib(report.peak_device_bytes)}`, `host ${gib(report.peak_host_bytes)}`];
   if (report.total_blocks) parts.push(`blocks ${report.resident_blocks}/${report.total_blocks} resident`);
+  // The sampler with a step cache on: how many of its transformer calls were cached (the progress text has more).
+  if (report.step_cache_calls) parts.push(`cached ${report.step_cache_hits}/${report.step_cache_calls} steps`);
   return `${report.phase}: ${parts.join(" · ")}`;
 }
 

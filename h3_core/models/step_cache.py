@@ -47,8 +47,10 @@ class StepCacheStats:
         full = self.num_blocks * len(self.decisions)
         text = (f"step cache {self.settings.name}: {self.hits} of {len(self.decisions)} steps cached, "
                 f"{run} of {full} blocks run")
-        if any(self.bytes_read):
-            text += f", {sum(self.bytes_read) / 2**30:.2f} GiB of weights read"
+        read = sum(self.bytes_read)
+        if read:  # only a streamed transformer reads weights during the calls
+            text += f", {read / 2**30:.2f} GiB of weights read" if read >= 2**30 else f", {read / 2**20:.1f} MiB of " \
+                    "weights read"
         return text
 
 

@@ -14,6 +14,10 @@ the venvs tests/real_servers/build_*_venv.sh build), its server address and canv
 remote job on each is cancelled with /interrupt: SGLang must get the DELETE (its job runs on), vLLM-Omni must abort.
 The tiny example at 1920x1088, 15 s is cancelled in sampling and in the video decode: the run must end within 2 s of
 /interrupt (to the server's execution_interrupted) and the next prompt must run.
+The step cache: the tiny example with the sampler at step_cache quality (30 steps) must show each call in the
+sampler's progress text, cached ones among them, the run's summary at the end and its cached steps in the badge's
+message; a cached run cancelled after its first cached call must stop in the sampler, and the same prompt then runs
+to the end with its hits.
 """
 
 from __future__ import annotations
@@ -260,6 +264,136 @@ def large_request_cancel(server: str, example: dict, interrupt_in: str, after_s:
     return ok
 
 
+# 30 steps: the tiny model's first block changes too much between 13 steps' calls for quality's 0.04 threshold, and
+# caches about one call in three at 30. The cancelled run is larger (about 0.16 s a call on a 2-core CPU), so that
+# Cancel, pressed when the first cached call is reported, lands while it still samples.
+CACHED_STEPS = 30
+CANCELLED_CANVAS = dict(width=768, height=448, seconds=3, frames=0)
+
+
+def watch_run(server: str, prompt: dict, interrupt_when=None) -> dict:
+    """Queue `prompt` from a websocket client and follow its run: each node's progress texts and memory reports and
+    how it ended. `interrupt_when(node, text)` true for a progress text: Cancel (/interrupt), once; `cancel_s` is from
+    sending that POST to the server's execution_interrupted."""
+    import asyncio
+    import struct
+
+    import aiohttp
+
+    seen = {"texts": {}, "memory": {}, "ended": None, "interrupted_in": None, "cancel_s": None}
+
+    async def run() -> None:
+        client = str(uuid.uuid4())
+        async with aiohttp.ClientSession() as session:
+            socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
+            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+            sent = None
+            async for message in socket:
+                if message.type == aiohttp.WSMsgType.BINARY:
+                    if struct.unpack(">I", message.data[:4])[0] != 3:  # 3: a node's progress text
+                        continue
+                    length = struct.unpack(">I", message.data[4:8])[0]
+                    node, text = message.data[8:8 + length].decode(), message.data[8 + length:].decode()
+                    seen["texts"].setdefault(node, []).append(text)
+                    if interrupt_when is not None and sent is None and interrupt_when(node, text):
+                        sent = time.perf_counter()
+                        async with session.post(f"{server}/interrupt", json={}) as answer:
+                            await answer.read()
+                    continue
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                data = json.loads(message.data)
+                kind, body = data.get("type"), data.get("data", {})
+                if kind == "h3_stream.memory":
+                    seen["memory"].setdefault(body["node"], []).append(body)
+                elif body.get("prompt_id") == prompt_id and kind in ("execution_success", "execution_error",
+                                                                      "execution_interrupted"):
+                    seen["ended"] = kind
+                    if kind == "execution_interrupted":
+                        seen["interrupted_in"] = body.get("node_type")
+                        seen["cancel_s"] = None if sent is None else time.perf_counter() - sent
+                    return
+
+    asyncio.run(asyncio.wait_for(run(), timeout=1800))
+    return seen
+
+
+def cached_prompt(example: dict, preset: str, **request) -> tuple[dict, str]:
+    """The tiny example with its sampler at step_cache `preset` and CACHED_STEPS (a fresh seed: it must run), its
+    encoder's canvas and duration changed by `request`; and the sampler's node id."""
+    prompt = json.loads(json.dumps(example))
+    node_ids = {v["class_type"]: k for k, v in prompt.items()}
+    sampler = node_ids["H3StreamAVSampler"]
+    prompt[sampler]["inputs"].update(steps=CACHED_STEPS, step_cache=preset, seed=int(time.time() * 1000) % 2**31)
+    prompt[node_ids["H3StreamEncodePrompt"]]["inputs"].update(request)
+    return prompt, sampler
+
+
+STEP_LINE = r"step (\d+)/(\d+): (cached|computed) \((\d+) of (\d+) cached so far\)"
+
+
+def step_lines(texts: list[str]) -> list[str]:
+    """The sampler's progress texts that report one call (before them: the memory profile's plan of the request)."""
+    import re
+
+    return [text for text in texts if re.match(STEP_LINE, text)]
+
+
+def step_lines_agree(texts: list[str], calls: int) -> tuple[int, bool]:
+    """The sampler's progress texts: one line per call (`step i/calls: cached|computed (h of i cached so far)`)
+    whose counts add up, and the phase's report last. Returns the hits and whether it all agrees."""
+    import re
+
+    lines = step_lines(texts)
+    hits, ok = 0, len(lines) == calls and bool(texts) and texts[-1] not in lines
+    for index, text in enumerate(lines, start=1):
+        call, total, outcome, so_far, of = re.match(STEP_LINE, text).groups()
+        hits += outcome == "cached"
+        ok = ok and int(call) == int(of) == index and int(total) == calls and int(so_far) == hits
+    ok = ok and texts[-1].startswith("sampling: ") and f"step cache quality: {hits} of {calls} steps cached" in texts[-1]
+    return hits, ok
+
+
+def cached_run_shows_hits(server: str, example: dict) -> bool:
+    """The sampler at step_cache quality: each call in its progress text, hits among them, the summary at the end, the
+    cached steps in the memory report the badge draws."""
+    prompt, sampler = cached_prompt(example, "quality")
+    seen = watch_run(server, prompt)
+    texts, calls = seen["texts"].get(sampler, []), CACHED_STEPS - 1
+    hits, agree = step_lines_agree(texts, calls)
+    reports = seen["memory"].get(sampler, [])
+    badge = reports[-1] if reports else {}
+    ok = seen["ended"] == "execution_success" and agree and hits > 0 and \
+        (badge.get("step_cache_hits"), badge.get("step_cache_calls")) == (hits, calls)
+    print(f"step_cache quality, {CACHED_STEPS} steps: {seen['ended']}; {len(step_lines(texts))} step lines, e.g. "
+          f"{next((t for t in texts if ': cached (' in t), texts[:1])!r}; at the end {texts[-1] if texts else None!r}; "
+          f"badge: cached {badge.get('step_cache_hits')}/{badge.get('step_cache_calls')}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
+def cancelled_cached_run(server: str, example: dict) -> bool:
+    """A cached run cancelled when its first cached call is reported stops in the sampler; the same prompt then runs
+    to the end with its hits, its first calls decided as in the cancelled run (same prompt and seed: nothing of the
+    cancelled run's cache was left to reuse or to get in the way)."""
+    prompt, sampler = cached_prompt(example, "quality", **CANCELLED_CANVAS)
+    cancelled = watch_run(server, prompt, interrupt_when=lambda node, text: node == sampler and ": cached (" in text)
+    before = step_lines(cancelled["texts"].get(sampler, []))
+    stopped = cancelled["ended"] == "execution_interrupted" and cancelled["interrupted_in"] == "H3StreamAVSampler" \
+        and any(": cached (" in text for text in before) and len(before) < CACHED_STEPS - 1
+    again = watch_run(server, prompt)
+    hits, agree = step_lines_agree(again["texts"].get(sampler, []), CACHED_STEPS - 1)
+    same_start = step_lines(again["texts"].get(sampler, []))[:len(before)] == before
+    ok = stopped and again["ended"] == "execution_success" and agree and hits > 0 and same_start
+    latency = f"{cancelled['cancel_s']:.2f} s" if cancelled["cancel_s"] is not None else "n/a"
+    print(f"cancelled cached run ({CANCELLED_CANVAS['width']}x{CANCELLED_CANVAS['height']}, "
+          f"{CANCELLED_CANVAS['seconds']} s): {cancelled['ended']} in {cancelled['interrupted_in']} {latency} after "
+          f"/interrupt, after {len(before)} of {CACHED_STEPS - 1} calls (last {before[-1] if before else None!r}); the "
+          f"same prompt next: {again['ended']}, {hits} cached, its first {len(before)} calls as before: "
+          f"{same_start}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
 def start_engines(work: Path) -> list:
     """SGLang's and vLLM-Omni's own servers, those whose venv is built (each says so when it is not)."""
     from engine_servers import SGLangServer, VllmOmniServer, unavailable
@@ -341,6 +475,8 @@ def main() -> int:
     failures += not fails_when_run(server, prompt, "width 33 is not a positive multiple of 32 pixels; use 32 or 64")
     example[sampler]["inputs"]["seed"] = int(time.time())  # not a cached result: the nodes must run
     failures += not only_the_queuing_client_hears(server, example)
+    failures += not cached_run_shows_hits(server, example)
+    failures += not cancelled_cached_run(server, example)
     for node, after_s in CANCEL_POINTS:
         failures += not large_request_cancel(server, example, node, after_s)
     return 1 if failures else 0
