@@ -274,12 +274,11 @@ def run_child(args, mode: str, model: Path, **extra) -> dict:
 # ---- parent ---------------------------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """The synthetic model's folder, dtype, device, threads, canvas and device prefetch (this script's and the step
+    cache benchmark's)."""
     parser.add_argument("--blocks", type=int, default=24)
-    parser.add_argument("--mid-blocks", type=int, default=12, help="the second cold block count (flatness)")
-    parser.add_argument("--warm-blocks", default="2,6", help="two block counts that fit in the RAM")
-    parser.add_argument("--out", default="/tmp/h3-real-scale")
+    parser.add_argument("--out", default=out)
     parser.add_argument("--keep", action="store_true", help="keep the synthetic files")
     parser.add_argument("--dtype", default=None, help="compute dtype (default float32 on the CPU, bfloat16 else)")
     parser.add_argument("--device", default="cpu")
@@ -290,19 +289,35 @@ def main() -> None:
     parser.add_argument("--latent-hw", type=int, default=16)
     parser.add_argument("--audio-latents", type=int, default=24)
     parser.add_argument("--text-rows", type=int, default=48)
-    parser.add_argument("--calls", type=int, default=3)
     parser.add_argument("--prefetch", type=int, default=-1, help="device prefetch (default: the platform's)")
-    parser.add_argument("--child", choices=sorted(CHILDREN))
-    parser.add_argument("--model")
-    parser.add_argument("--cold", action="store_true")
-    parser.add_argument("--repeat", type=int, default=1)
+
+
+def parse_or_run_child(parser: argparse.ArgumentParser, children: dict):
+    """The parsed arguments (the dtype resolved for the device), or None after running the `--child` asked for (it
+    prints its JSON result as its last line)."""
     args = parser.parse_args()
     if args.dtype is None:
         from h3_core import Platform
 
         args.dtype = "float32" if Platform.for_device(args.device).host_is_device else "bfloat16"
     if args.child:
-        print(json.dumps(CHILDREN[args.child](args)))
+        print(json.dumps(children[args.child](args)))
+        return None
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser, "/tmp/h3-real-scale")
+    parser.add_argument("--mid-blocks", type=int, default=12, help="the second cold block count (flatness)")
+    parser.add_argument("--warm-blocks", default="2,6", help="two block counts that fit in the RAM")
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--child", choices=sorted(CHILDREN))
+    parser.add_argument("--model")
+    parser.add_argument("--cold", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parse_or_run_child(parser, CHILDREN)
+    if args is None:
         return
 
     import synthetic_h3

@@ -402,21 +402,11 @@ def tiny_part(args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, default=24)
-    parser.add_argument("--out", default="/tmp/h3-step-cache")
-    parser.add_argument("--keep", action="store_true", help="keep the synthetic files")
+    real_scale.add_model_arguments(parser, "/tmp/h3-step-cache")
     parser.add_argument("--tiny-only", action="store_true", help="only the tiny model's hit counts")
     parser.add_argument("--no-tiny", action="store_true", help="skip the tiny model's hit counts")
-    parser.add_argument("--dtype", default=None, help="compute dtype (default float32 on the CPU, bfloat16 else)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    parser.add_argument("--frames", type=int, default=2)
-    parser.add_argument("--latent-hw", type=int, default=16)
-    parser.add_argument("--audio-latents", type=int, default=24)
-    parser.add_argument("--text-rows", type=int, default=48)
     parser.add_argument("--calls", type=int, default=5, help="model calls (odd, >= 5: 2 cached, 2 uncached after "
                                                              "the first)")
-    parser.add_argument("--prefetch", type=int, default=-1, help="device prefetch (default: the platform's)")
     parser.add_argument("--first-blocks", type=int, default=1, help="Fn")
     parser.add_argument("--last-blocks", type=int, default=0, help="Bn")
     parser.add_argument("--page-cache-gib", type=float, default=None,
@@ -428,13 +418,8 @@ def main() -> None:
     parser.add_argument("--child", choices=sorted(CHILDREN))
     parser.add_argument("--model")
     parser.add_argument("--preset")
-    args = parser.parse_args()
-    if args.dtype is None:
-        from h3_core import Platform
-
-        args.dtype = "float32" if Platform.for_device(args.device).host_is_device else "bfloat16"
-    if args.child:
-        print(json.dumps(CHILDREN[args.child](args)))
+    args = real_scale.parse_or_run_child(parser, CHILDREN)
+    if args is None:
         return
     if args.calls < 5 and not args.tiny_only:
         parser.error("--calls must be at least 5 (after the first call, 2 cached and 2 uncached ones)")

@@ -22,6 +22,7 @@ to the end with its hits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -214,6 +215,20 @@ def remote_cancel(server: str, engine) -> bool:
     return ok
 
 
+@contextlib.asynccontextmanager
+async def queued_with_socket(server: str, prompt: dict):
+    """`prompt` queued by a client whose websocket is open first (so no message of the run is missed): yields the
+    HTTP session, the socket and the prompt id."""
+    import aiohttp
+
+    client = str(uuid.uuid4())
+    async with aiohttp.ClientSession() as session:
+        socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
+        async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
+            prompt_id = (await queued.json())["prompt_id"]
+        yield session, socket, prompt_id
+
+
 def large_request_cancel(server: str, example: dict, interrupt_in: str, after_s: float) -> bool:
     """The tiny T2VA example at 1920x1088, 15 s: `after_s` seconds into node `interrupt_in` (a class type), Cancel
     (/interrupt) must end the run within 2 s (from the POST to the server's `execution_interrupted`), and the next
@@ -228,11 +243,7 @@ def large_request_cancel(server: str, example: dict, interrupt_in: str, after_s:
     prompt[node_ids["H3StreamAVSampler"]]["inputs"].update(steps=2, seed=int(time.time()))
 
     async def run() -> tuple[float | None, str]:
-        client = str(uuid.uuid4())
-        async with aiohttp.ClientSession() as session:
-            socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
-            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
-                prompt_id = (await queued.json())["prompt_id"]
+        async with queued_with_socket(server, prompt) as (session, socket, prompt_id):
             sent = None
             async for message in socket:
                 if message.type != aiohttp.WSMsgType.TEXT:
@@ -283,11 +294,7 @@ def watch_run(server: str, prompt: dict, interrupt_when=None) -> dict:
     seen = {"texts": {}, "memory": {}, "ended": None, "interrupted_in": None, "cancel_s": None}
 
     async def run() -> None:
-        client = str(uuid.uuid4())
-        async with aiohttp.ClientSession() as session:
-            socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
-            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
-                prompt_id = (await queued.json())["prompt_id"]
+        async with queued_with_socket(server, prompt) as (session, socket, prompt_id):
             sent = None
             async for message in socket:
                 if message.type == aiohttp.WSMsgType.BINARY:
