@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+from videos_api_server import QUICK_SHUTDOWN
+
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
@@ -103,7 +105,7 @@ class LoopbackHub:
         self.threads = []
         for server in (self.server, self.cdn):
             server.daemon_threads = True
-            self.threads.append(threading.Thread(target=server.serve_forever, daemon=True))
+            self.threads.append(threading.Thread(target=server.serve_forever, kwargs=QUICK_SHUTDOWN, daemon=True))
 
     @property
     def url(self) -> str:

@@ -12,7 +12,8 @@ import time
 
 import pytest
 import torch
-from videos_api_server import FRAMES, HEIGHT, WIDTH, Behaviour, VideosApiServer, make_mp4, source_frames
+from videos_api_server import (FRAMES, HEIGHT, QUICK_SHUTDOWN, WIDTH, Behaviour, VideosApiServer, make_mp4,
+                               source_frames)
 
 from h3_core.errors import H3Error, RemoteError
 from h3_core.remote import RemoteEngine, protocol
@@ -197,7 +198,7 @@ def test_a_certificate_this_machine_does_not_trust_fails_at_once(tmp_path):
     context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
     server.socket = context.wrap_socket(server.socket, server_side=True)
     server.handle_error = lambda request, address: None  # the refused handshake
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs=QUICK_SHUTDOWN, daemon=True).start()
     waits = []
     try:
         url = f"https://127.0.0.1:{server.server_address[1]}"
@@ -270,7 +271,7 @@ def test_a_stored_results_signed_query_never_reaches_a_message():
             self.end_headers()
 
     storage = ThreadingHTTPServer(("localhost", 0), Refusing)
-    threading.Thread(target=storage.serve_forever, daemon=True).start()
+    threading.Thread(target=storage.serve_forever, kwargs=QUICK_SHUTDOWN, daemon=True).start()
     secret = "X-Amz-Credential=AKIAEXAMPLE&X-Amz-Signature=0123abcd"
     try:
         url = f"http://localhost:{storage.server_address[1]}/bucket/video_1.mp4?{secret}"
@@ -453,7 +454,7 @@ def test_a_stored_result_is_fetched_from_its_url_without_the_key_when_another_ho
             self.wfile.write(body)
 
     storage = ThreadingHTTPServer(("localhost", 0), Storage)  # another host name than the server's 127.0.0.1
-    thread = threading.Thread(target=storage.serve_forever, daemon=True)
+    thread = threading.Thread(target=storage.serve_forever, kwargs=QUICK_SHUTDOWN, daemon=True)
     thread.start()
     try:
         url = f"http://localhost:{storage.server_address[1]}/bucket/video_1.mp4"
@@ -495,7 +496,7 @@ def test_a_redirect_to_another_host_does_not_carry_the_key():
 
     servers = [ThreadingHTTPServer((address, 0), Recorder) for address in ("127.0.0.1", "127.0.0.2")]
     for server in servers:
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs=QUICK_SHUTDOWN, daemon=True).start()
     home, elsewhere = servers
     try:
         for target, keeps in ((f"http://127.0.0.2:{elsewhere.server_address[1]}/cards", False),
