@@ -46,9 +46,11 @@ def _integer(value, name: str, low: int) -> int:
 
 
 def step_cache_settings(preset="off", *, first_blocks=None, last_blocks=None, threshold=None, warmup_steps=None,
-                        max_consecutive=None, name: str = "step_cache") -> StepCacheSettings | None:
+                        max_consecutive=None, name: str = "step_cache",
+                        labels: dict[str, str] | None = None) -> StepCacheSettings | None:
     """The settings of `preset` (a name of `STEP_CACHE_PRESETS`, or settings) with any number given overriding it;
-    None for "off" with no override. `name` is how the surface names the option in its messages."""
+    None for "off" with no override. `name` is how the surface names the option in its messages, `labels` how it
+    names each number (a field name -> e.g. a CLI flag; see `check_settings`)."""
     if isinstance(preset, StepCacheSettings):
         base = preset
     else:
@@ -65,16 +67,22 @@ def step_cache_settings(preset="off", *, first_blocks=None, last_blocks=None, th
         base = STEP_CACHE_PRESETS["quality"]
     if overrides:
         base = StepCacheSettings(**{**base.__dict__, **overrides, "name": "custom"})
-    return check_settings(base, name)
+    return check_settings(base, name, labels)
 
 
-def check_settings(settings: StepCacheSettings, name: str = "step_cache") -> StepCacheSettings:
-    first = _integer(settings.first_blocks, f"{name}: first blocks (Fn)", 1)
-    last = _integer(settings.last_blocks, f"{name}: last blocks (Bn)", 0)
-    warmup = _integer(settings.warmup_steps, f"{name}: warm-up steps", 0)
-    cap = _integer(settings.max_consecutive, f"{name}: most consecutive hits", -1)
+def check_settings(settings: StepCacheSettings, name: str = "step_cache",
+                   labels: dict[str, str] | None = None) -> StepCacheSettings:
+    """The settings with each number checked; a bad one is named `labels[field]`, else "`name`: <what it is>"."""
+    label = {field: f"{name}: {what}" for field, what in (
+        ("first_blocks", "first blocks (Fn)"), ("last_blocks", "last blocks (Bn)"), ("warmup_steps", "warm-up steps"),
+        ("max_consecutive", "most consecutive hits"), ("threshold", "the threshold"))}
+    label.update(labels or {})
+    first = _integer(settings.first_blocks, label["first_blocks"], 1)
+    last = _integer(settings.last_blocks, label["last_blocks"], 0)
+    warmup = _integer(settings.warmup_steps, label["warmup_steps"], 0)
+    cap = _integer(settings.max_consecutive, label["max_consecutive"], -1)
     threshold = settings.threshold
     if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not math.isfinite(threshold):
-        raise H3Error(f"{name}: the threshold must be a finite number (0 never skips, 1 always does), got "
+        raise H3Error(f"{label['threshold']} must be a finite number (0 never skips, 1 always does), got "
                       f"{threshold!r}.")
     return StepCacheSettings(first, last, float(threshold), warmup, cap, settings.name)

@@ -23,6 +23,7 @@ from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
 from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, step_cache_settings
 from .progress import DownloadBar, ProgressBar, memory_report
+from .step_cache_flags import STEP_CACHE_NUMBER_FLAGS, step_cache_flags_given
 
 # Without --model the embedded tiny random model runs; these keep that check of an install under a minute on a CPU.
 TINY_DEFAULTS = {"size": "96x64", "seconds": 1.0, "steps": 3}
@@ -237,19 +238,13 @@ def parse_step_cache(args, say):
                            "that always run), e.g. 1 or 2,1.") from None
     overrides = dict(first_blocks=first, last_blocks=last, threshold=args.step_cache_threshold,
                      warmup_steps=args.step_cache_warmup, max_consecutive=args.step_cache_max_consecutive)
-    given = [f"--step-cache-{key}" for key, value in (("blocks", args.step_cache_blocks),
-                                                       ("threshold", args.step_cache_threshold),
-                                                       ("warmup", args.step_cache_warmup),
-                                                       ("max-consecutive", args.step_cache_max_consecutive))
-             if value is not None]
+    given = [flag for flag in step_cache_flags_given(args) if flag != "--step-cache"]
+    labels = {field: flag for flag, _, fields in STEP_CACHE_NUMBER_FLAGS for field in fields}
+    labels.update(first_blocks="--step-cache-blocks F", last_blocks="--step-cache-blocks B")
     try:
-        settings = step_cache_settings(args.step_cache, name="--step-cache", **overrides)
+        settings = step_cache_settings(args.step_cache, name="--step-cache", labels=labels, **overrides)
     except H3Error as exc:
-        raise CliError(str(exc).replace("--step-cache: the threshold", "--step-cache-threshold")
-                       .replace("--step-cache: first blocks (Fn)", "--step-cache-blocks F")
-                       .replace("--step-cache: last blocks (Bn)", "--step-cache-blocks B")
-                       .replace("--step-cache: warm-up steps", "--step-cache-warmup")
-                       .replace("--step-cache: most consecutive hits", "--step-cache-max-consecutive")) from None
+        raise CliError(str(exc)) from None
     if given and settings is not None:
         base = args.step_cache if args.step_cache != STEP_CACHE_OFF else "quality"
         say(f"step cache: {base} with {', '.join(given)} ({settings.describe()})")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from ..errors import H3Error
+from .step_cache_flags import step_cache_flags_given
 
 # Flags that configure a local run only, with their defaults: given with --server, they are ignored and said so.
 LOCAL_ONLY_FLAGS = (("--model", "model", None), ("--transformer", "transformer", None),
@@ -24,12 +25,7 @@ def check_remote_flags(args) -> None:
         raise H3Error("--lora: LoRA files on this machine are not sent to a server; name one already on the "
                       "server with --server-lora PATH[:STRENGTH] (vLLM-Omni), or set it on the server (sglang serve "
                       "--lora-path, or its /v1/set_lora endpoint). Drop --lora, or drop --server to run locally.")
-    cache_flags = [flag for flag, value in (("--step-cache", args.step_cache != "off"),
-                                            ("--step-cache-threshold", args.step_cache_threshold is not None),
-                                            ("--step-cache-blocks", args.step_cache_blocks is not None),
-                                            ("--step-cache-warmup", args.step_cache_warmup is not None),
-                                            ("--step-cache-max-consecutive", args.step_cache_max_consecutive is not None))
-                   if value]
+    cache_flags = step_cache_flags_given(args)
     if cache_flags:
         raise H3Error(f"{', '.join(cache_flags)}: a server runs its own step cache (SGLang and vLLM-Omni enable "
                       "Cache-DiT with quality=\"high\", which they accept only on the GPU deployments they audited), "

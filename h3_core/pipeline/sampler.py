@@ -14,8 +14,8 @@ import torch
 
 from ..errors import H3Error
 from ..models.step_cache import StepCacheRun, StepCacheStats
-from ..step_cache_settings import StepCacheSettings
 from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, check_shift
+from ..step_cache_settings import StepCacheSettings
 from .layout import PackedLayout
 
 # Condition rows are noise-augmented to t = 0.999 once, then held; reference audio is clean (t = 1).
