@@ -130,3 +130,55 @@ def test_a_fixed_residency_per_component_is_kept_even_where_the_plan_would_strea
     with pytest.raises(H3Error, match="residency must be 'resident' or 'layerwise'"):
         plan_for_budget(released, device="cuda", budget_bytes=48 * GIB, residency={"transformer": "streamed"},
                         **RESIDENCY_REQUEST)
+
+
+# ---- the host side on a discrete GPU: what CUDA's stores really hold -------------------------------------------------
+
+PC_RAM = 64 * GIB
+
+
+def test_on_cuda_the_plan_counts_the_pinned_ring_and_the_slabs_the_store_packs(released):
+    from h3_core.checkpoints.dit_loader import load_dit
+    from h3_core.runtime.host_store import PinBudget
+    from h3_core.runtime.staged_store import StagedReads
+
+    plan = plan_for_budget(released, device="cuda", budget_bytes=PROFILES["24 GB GPU"].budget_bytes(),
+                           residency="layerwise", host_memory_bytes=PC_RAM, **DEFAULT_REQUEST)
+    sampling = {i.what: i.nbytes for i in plan.phase("sampling").items if i.component == "transformer"}
+    # The store CUDA's backend builds for these blocks (read ahead 1), from the loader's own recipes: its ring, and
+    # the leading blocks it packs with what a 64 GiB PC's pin budget leaves after the ring.
+    model = load_dit(released.transformer, device="cpu", residency="layerwise")
+    recipes = model.weight_recipes
+    units = [{n: r for n, r in recipes.items() if n.startswith(f"blocks.{i}.") and ".adaln_proj." not in n}
+             for i in range(len(model.blocks))]
+    model.block_residency.close(restore=False)
+    model.adaln_residency.close(restore=False)
+    store = StagedReads(units, range(len(units)), read_ahead=1)
+    try:
+        budget = int(PC_RAM * PinBudget.DEFAULT_FRACTION)
+        ring = store.ring_bytes
+        packed = sum(store.buffer_bytes(u) for u in store.units_to_pack(budget - ring))
+        every_block = sum(store.buffer_bytes(u) for u in store.streamed)
+    finally:
+        store.close()
+    assert sampling["pinned staging"] == pytest.approx(ring, rel=0.10)
+    assert sampling["pinned blocks"] == pytest.approx(packed, rel=0.10)
+    # Not the whole streamed transformer (what the plan counted before: 60 GiB of a 64 GiB PC) but the 40 % pin
+    # budget: a 2-buffer ring plus the leading blocks, up to one block short of it.
+    largest = max(store.buffer_bytes(u) for u in store.streamed)
+    assert budget - largest < ring + packed <= budget < every_block
+
+
+def test_the_24_gb_gpu_profile_on_a_64_gb_pc_is_accepted_at_the_default_request_with_the_host_checked(released):
+    planned = residency_plan(released, PROFILES["24 GB GPU"], device="cuda", host_memory_bytes=PC_RAM)
+    assert planned.request == DEFAULT_REQUEST
+    plan = planned.plan
+    assert plan.host_budget_bytes == int(PC_RAM * 0.8)
+    assert plan.host_peak_bytes <= plan.host_budget_bytes
+    assert plan.phase("sampling").host_bytes > 20 * GIB  # the pinned blocks are counted, not left out
+    # The text encoder runs once per prompt: it streams through its ring, pinning no slabs.
+    text = {i.what: i.nbytes for i in plan.phase("text encode").items if i.component == "text_encoder"}
+    assert text.get("pinned blocks", 0) == 0 and text["pinned staging"] > 0
+    # A PC too small for even the rings is refused on the host side, naming it.
+    with pytest.raises(MemoryBudgetError, match="host budget"):
+        residency_plan(released, PROFILES["24 GB GPU"], device="cuda", host_memory_bytes=2 * GIB)

@@ -179,18 +179,24 @@ def test_host_store_and_staging_rings_are_items_of_every_phase_they_live_in():
         dit.prefetch = 1
         return [dit, estimate("audio_vae", 4 * MiB, 1 * MiB)]
 
-    # CUDA: two fixed device slots, ONE page-locked ring of max(1, read_ahead) + 1 buffers, the packed host store;
+    # CUDA: two fixed device slots, ONE page-locked ring of max(1, read_ahead) + 1 buffers, the leading units packed
+    # into pinned slabs with what the pin budget leaves after the ring (75 - 30 MiB: 4 of the 8 units, whole);
     # all of it outlives a pass, so a kept transformer holds it in the decode phase too.
     sampling, decode = phase_estimates(components(), phases, keep=["transformer"], platform=Platform("cuda"),
-                                       staging_read_ahead=2)
+                                       staging_read_ahead=2, pin_budget_bytes=75 * MiB)
     items = {i.label: i.nbytes for i in sampling.items}
     assert items == {"transformer weights": 20 * MiB, "transformer slots": 20 * MiB,
-                     "transformer activations": 2 * MiB, "transformer host store": 80 * MiB,
+                     "transformer activations": 2 * MiB, "transformer pinned blocks": 40 * MiB,
                      "transformer pinned staging": 30 * MiB}
-    assert sampling.device_bytes == 42 * MiB and sampling.host_bytes == 110 * MiB
+    assert sampling.device_bytes == 42 * MiB and sampling.host_bytes == 70 * MiB
     assert {i.label for i in decode.items if i.kept} == {"transformer weights (kept)", "transformer slots (kept)",
-                                                          "transformer host store (kept)",
+                                                          "transformer pinned blocks (kept)",
                                                           "transformer pinned staging (kept)"}
+    # A budget for all of it packs every unit; none (or one the ring alone fills) packs nothing.
+    for budget, packed in ((200 * MiB, 80 * MiB), (30 * MiB, 0), (0, 0)):
+        sampling = phase_estimates(components(), phases[:1], platform=Platform("cuda"), staging_read_ahead=2,
+                                   pin_budget_bytes=budget)[0]
+        assert {i.label: i.nbytes for i in sampling.items}.get("transformer pinned blocks", 0) == packed
     # read_ahead 0 still reads one unit ahead on CUDA (the backend's max(1, read_ahead)).
     cuda0 = phase_estimates(components(), phases[:1], platform=Platform("cuda"), staging_read_ahead=0)[0]
     assert {i.label: i.nbytes for i in cuda0.items}["transformer pinned staging"] == 20 * MiB
@@ -257,9 +263,11 @@ def test_on_a_discrete_device_host_items_count_against_the_host_budget():
     plan = fit(components(), 60 * MiB, device="cuda")  # resident 102 MiB does not fit: it streams, 2 slots
     assert plan.peak_bytes == 42 * MiB and plan.host_peak_bytes == 80 * MiB and not plan.shared_memory
     assert "host budget not checked" in plan.describe()
+    # With a ring (read ahead 0: still 2 buffers on CUDA), the leading units the pin budget leaves room for.
     with pytest.raises(MemoryBudgetError, match=r"fit a 64.0 MiB host budget: the transformer phase needs about "
-                                                r"100.0 MiB of host memory.*transformer host store 80.0 MiB"):
-        fit(components(), 60 * MiB, device="cuda", host_budget_bytes=64 * MiB, staging_read_ahead=0)
+                                                r"80.0 MiB of host memory.*transformer pinned blocks 60.0 MiB"):
+        fit(components(), 60 * MiB, device="cuda", host_budget_bytes=64 * MiB, staging_read_ahead=0,
+            pin_budget_bytes=80 * MiB)
 
 
 def test_plan_for_budget_prints_each_phase_and_refuses_a_kept_component_that_breaks_one(sources):

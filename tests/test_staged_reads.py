@@ -243,6 +243,32 @@ def test_the_pin_budget_is_one_for_the_whole_process(tmp_path, monkeypatch):
     assert not pinner.registered
 
 
+def test_a_single_pass_component_streams_through_its_pinned_ring_without_packing(tmp_path, monkeypatch):
+    # The text encoder runs one pass per prompt: packing its leading layers would read them ahead once, at the cost of
+    # pinned slabs (up to the whole budget) re-read and re-pinned at every load. The transformer's are read again
+    # at every step, so it packs.
+    monkeypatch.setattr(host_store, "_SHARED_BUDGET", None)
+    path = tmp_path / "s.safetensors"
+    write_stack(path, 6, rows=256, cols=256)
+    unit = StagedReads(stack_recipes(path, 6), range(6)).buffer_bytes(0)
+    x = torch.randn(2, 256)
+    results = {}
+    for next_pass in (False, None):
+        pinner = RecordingPinner()
+        stack = nn.ModuleList(nn.Linear(256, 256) for _ in range(6))
+        manager = LayerwiseOffloadManager(AsyncBackend("cpu", pinner=pinner, pin_budget=PinBudget(5 * unit)),
+                                          prefetch_next_pass=next_pass).attach(stack, stack_recipes(path, 6))
+        store = manager.store
+        results[next_pass] = (len(store.slabs), store.pinned_bytes, sum(store._ring_pinned))
+        with torch.no_grad():
+            out = run_passes(manager, stack, x, 2)
+        assert torch.equal(out, results.setdefault("out", out))
+        manager.close()
+        assert not pinner.registered
+    assert results[False] == (0, 2 * unit, 2)  # the ring only
+    assert results[None] == (3, 5 * unit, 2)  # the ring, then leading units while the budget lasts
+
+
 ANON_CHILD = textwrap.dedent(f"""
     import json, sys, torch
     sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(ROOT / "tests")!r})

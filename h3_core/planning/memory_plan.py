@@ -95,10 +95,33 @@ class ComponentEstimate:
     def device_bytes(self, prefetch: int | None = None) -> int:
         return self.weight_bytes(prefetch) + self.activation_bytes
 
-    def host_store_bytes(self, copying_store: bool) -> int:
-        """Host memory of the streamed units: a copy where the store packs them (CUDA's pinned slabs, at most the
-        pin budget), nothing where it holds the checkpoint's memory maps (CPU, MPS)."""
-        return self.total_bytes - self.fixed_bytes if self.residency == settings.LAYERWISE and copying_store else 0
+    def host_store_bytes(self, copying_store: bool, read_ahead: int | None = None,
+                         pin_room: int | None = None) -> int:
+        """Host memory of the streamed units beyond the staging ring: nothing where the store holds the checkpoint's
+        memory maps (CPU, MPS); on CUDA (`copying_store`) with a staging ring (`read_ahead` not None), the leading
+        units packed into pinned slabs while `pin_room` (the pin budget left after the ring) lasts, and only for a
+        component that runs more than one pass per load (`StagedReads.pack_pinned`; a single pass streams through
+        the ring); without a ring, a whole copy (`PinnedSlab`)."""
+        if self.residency != settings.LAYERWISE or not copying_store:
+            return 0
+        streamed = self.total_bytes - self.fixed_bytes
+        if read_ahead is None:
+            return streamed
+        if self.name not in REPEATED_PASSES or not pin_room or not self.unit_bytes:
+            return 0
+        sizes = self.unit_sizes or (self.unit_bytes,) * (streamed // self.unit_bytes)
+        packed = 0
+        for size in sizes:  # in pass order, stopping at the first that does not fit (as the store does)
+            if packed + size > pin_room:
+                break
+            packed += size
+        return packed
+
+    def pinned_ring_bytes(self, read_ahead: int | None) -> int:
+        """CUDA's page-locked staging ring (`max(1, read_ahead) + 1` buffers of the largest unit); 0: no ring."""
+        if self.residency != settings.LAYERWISE or read_ahead is None or not self.unit_bytes:
+            return 0
+        return (max(1, read_ahead) + 1) * self.unit_bytes
 
     def staging_bytes(self, read_ahead: int | None, platform: Platform | None = None) -> int:
         """The staging ring of a streamed component beyond its device slots; None: no ring. See `staging_items`."""
@@ -219,8 +242,9 @@ def staging_items(c: ComponentEstimate, unit: int, slots: int, read_ahead: int |
 
 
 def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool, platform: Platform,
-                     read_ahead: int | None) -> list[PhaseItem]:
-    """What `c` holds during the phase `spec` runs it (None: an idle kept component)."""
+                     read_ahead: int | None, pin_room: int | None = None) -> list[PhaseItem]:
+    """What `c` holds during the phase `spec` runs it (None: an idle kept component); `pin_room`: the pin budget
+    its store may still draw on (CUDA)."""
     copying = platform.asynchronous_copies
     if c.residency != settings.LAYERWISE:
         items = [PhaseItem(c.name, "weights", c.total_bytes + c.dequantised_extra_bytes)]
@@ -232,7 +256,8 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     # Streamed: the resident fixed weights always; the stack's ring where it outlives a pass (CUDA rings and slots
     # stay allocated; on the CPU / MPS only the transformer's, which reads the next pass's head, when kept).
     items = [PhaseItem(c.name, "weights", c.resident_fixed_bytes)]
-    items.append(PhaseItem(c.name, "host store", c.host_store_bytes(copying), on_host=True))
+    items.append(PhaseItem(c.name, "pinned blocks" if copying and read_ahead is not None else "host store",
+                           c.host_store_bytes(copying, read_ahead, pin_room), on_host=True))
     repeated = c.name in REPEATED_PASSES
     persistent = copying or (kept and repeated and read_ahead is not None)
     if spec is None:
@@ -274,22 +299,34 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
 
 def phase_estimates(components: Sequence[ComponentEstimate], phases: Sequence[PhaseSpec], *,
                     keep: Iterable[str] = (), platform: Platform | None = None,
-                    staging_read_ahead: int | None = None) -> list[PhaseEstimate]:
+                    staging_read_ahead: int | None = None, pin_budget_bytes: int = 0) -> list[PhaseEstimate]:
     """What coexists in each phase: the phase's component (weights, activations, host store, staging, by part) and
     every kept component (its weights, store and whatever staging outlives a pass: a kept component stays loaded
     through every phase, also between generations). `platform` (default the CPU) decides the ring's shape and where
-    it lives (`staging_items`)."""
+    it lives (`staging_items`). `pin_budget_bytes`: the process's one pin budget (CUDA), drawn on by the kept
+    components' stores first (they were loaded before), then by the phase's own: each store pins its ring, then
+    packs leading units while the budget lasts."""
     platform = platform or Platform("cpu")
     keep = set(keep)
     out = []
     for spec in phases:
         items = []
+        alive = [c for c in components if c.name in keep and c.name != spec.component]
+        alive += [c for c in components if c.name == spec.component]
+        rooms: dict[str, int | None] = {c.name: None for c in alive}
+        if platform.asynchronous_copies:
+            pin_room = pin_budget_bytes
+            for c in alive:
+                ring = c.pinned_ring_bytes(staging_read_ahead)
+                pin_room -= ring if ring <= pin_room else 0
+                rooms[c.name] = pin_room
+                pin_room -= min(pin_room, c.host_store_bytes(True, staging_read_ahead, pin_room))
         for c in components:
-            active = c.name == spec.component
-            if not active and c.name not in keep:
+            if c.name not in rooms:
                 continue
+            active = c.name == spec.component
             found = _component_items(c, spec if active else None, kept=c.name in keep, platform=platform,
-                                     read_ahead=staging_read_ahead)
+                                     read_ahead=staging_read_ahead, pin_room=rooms[c.name])
             items += [dataclasses.replace(i, kept=not active) for i in found]
         out.append(PhaseEstimate(spec.name, spec.component, [i for i in items if i.nbytes]))
     return out
@@ -399,7 +436,7 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
                dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None,
                notes: list[str] | None = None, phases: Sequence[PhaseSpec] | None = None, keep: Iterable[str] = (),
                staging_read_ahead: int | None = None, host_budget_bytes: int | None = None,
-               residency: str | Mapping[str, str] | None = None) -> MemoryPlan:
+               residency: str | Mapping[str, str] | None = None, pin_budget_bytes: int = 0) -> MemoryPlan:
     """Choose residency per component and the transformer's chunk budget so that every phase fits `budget_bytes`;
     raise `MemoryBudgetError` with the plan when a phase does not.
 
@@ -410,7 +447,8 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
     budget (what the rest of its phase leaves), or the given `chunk_size`, replaces them by one chunk's.
     `staging_read_ahead` models the streaming staging ring (`staging_items`: on the CPU `read_ahead` buffers beyond
     the slots, which are ring buffers themselves; on MPS `read_ahead + 1` host buffers; on CUDA one pinned ring of
-    `max(1, read_ahead) + 1`); None: no ring. `residency` ("resident" / "layerwise") fixes every streamable
+    `max(1, read_ahead) + 1`, with leading units packed into pinned slabs while `pin_budget_bytes` lasts); None: no
+    ring. `residency` ("resident" / "layerwise") fixes every streamable
     component's residency instead of choosing it; a mapping fixes each named component's (a loaded pipeline's). The estimates are updated in place.
     """
     phases = list(phases) if phases is not None else [PhaseSpec(c.name, c.name) for c in components]
@@ -419,7 +457,7 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
 
     def estimate() -> list[PhaseEstimate]:
         return phase_estimates(components, phases, keep=keep, platform=platform,
-                               staging_read_ahead=staging_read_ahead)
+                               staging_read_ahead=staging_read_ahead, pin_budget_bytes=pin_budget_bytes)
 
     def budgeted(phase: PhaseEstimate) -> int:
         return phase.total_bytes if shared else phase.device_bytes

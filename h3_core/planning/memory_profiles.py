@@ -20,6 +20,7 @@ import torch
 
 from .. import settings
 from ..errors import H3Error
+from ..runtime.file_reads import total_memory_bytes
 from ..runtime.platform import Platform
 from .memory_plan import MemoryBudgetError, MemoryPlan, format_bytes
 from .phase_plans import plan_for_budget
@@ -37,6 +38,18 @@ DEFAULT_REQUEST = {"width": 1344, "height": 768, "num_frames": 124, "keyframes":
 GPU_USABLE = 0.9
 MAC_USABLE = 0.75
 FREE_USABLE = 0.9
+# Of a PC's RAM beside a discrete GPU, what the stores, pinned blocks and rings may take: the system, ComfyUI itself
+# and its other nodes need the rest.
+HOST_USABLE = 0.8
+
+
+def host_budget_bytes(platform: Platform, host_memory_bytes: int | None) -> int | None:
+    """The host memory a plan on a discrete device may use (`HOST_USABLE` of the RAM: `host_memory_bytes`, or this
+    machine's); None where one budget covers host and device (CPU, MPS) or the RAM is unknown."""
+    if platform.host_is_device or platform.unified_memory:
+        return None
+    ram = host_memory_bytes if host_memory_bytes is not None else total_memory_bytes()
+    return None if ram is None else int(ram * HOST_USABLE)
 
 
 @dataclass(frozen=True)
@@ -109,10 +122,12 @@ class ResidencyPlan:
 
 
 def residency_plan(sources, profile: MemoryProfile, *, device, free_bytes: int | None = None,
-                   dtype: torch.dtype | None = None, resident_kept: bool = True) -> ResidencyPlan:
+                   dtype: torch.dtype | None = None, resident_kept: bool = True,
+                   host_memory_bytes: int | None = None) -> ResidencyPlan:
     """The plan that fixes each component's residency for `profile` on `device` (`free_bytes`: for the auto
     profile). Raises `H3Error` for a profile of another kind of machine, `MemoryBudgetError` when even the weights
-    do not fit.
+    do not fit. On a discrete GPU the host side (pinned blocks, staging rings) is checked against `HOST_USABLE` of
+    the RAM (`host_memory_bytes`, default this machine's), with the pin budget such a host has.
 
     `resident_kept`: a resident component stays loaded through every phase (ComfyUI keeps the pipeline across
     prompts), so the plan counts it in every phase: chosen without, then checked again with it kept (streaming more
@@ -125,7 +140,8 @@ def residency_plan(sources, profile: MemoryProfile, *, device, free_bytes: int |
     for request in (DEFAULT_REQUEST, RESIDENCY_REQUEST):
         try:
             plan = _plan_keeping_resident(sources, resident_kept, device=device, budget_bytes=budget, dtype=dtype,
-                                          **request)
+                                          host_budget_bytes=host_budget_bytes(platform, host_memory_bytes),
+                                          host_memory_bytes=host_memory_bytes, **request)
         except MemoryBudgetError:
             if request is RESIDENCY_REQUEST:
                 raise
@@ -157,9 +173,13 @@ def residencies(plan: MemoryPlan) -> dict[str, str]:
 
 def request_plan(sources, *, budget_bytes: int, device, residencies: dict[str, str], width: int, height: int,
                  num_frames: int, keyframes: bool, steps: int, dtype: torch.dtype | None = None, loras=(),
-                 keep=(), references=None, step_cache: bool = False) -> MemoryPlan:
+                 keep=(), references=None, step_cache: bool = False,
+                 host_memory_bytes: int | None = None) -> MemoryPlan:
     """The plan of one request with the residencies a pipeline was built with: its transformer chunk budget
-    (`dit_chunk_budget`, None: fused), or `MemoryBudgetError` naming the phase over budget."""
+    (`dit_chunk_budget`, None: fused), or `MemoryBudgetError` naming the phase over budget (on a discrete GPU, the
+    host side too: see `residency_plan`)."""
     return plan_for_budget(sources, device=device, budget_bytes=budget_bytes, width=width, height=height,
                            num_frames=num_frames, keyframes=keyframes, steps=steps, dtype=dtype, loras=loras,
-                           keep=keep, residency=residencies, references=references, step_cache=step_cache)
+                           keep=keep, residency=residencies, references=references, step_cache=step_cache,
+                           host_budget_bytes=host_budget_bytes(Platform.for_device(device), host_memory_bytes),
+                           host_memory_bytes=host_memory_bytes)

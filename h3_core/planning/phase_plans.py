@@ -31,6 +31,7 @@ from ..models.meta_models import meta_model
 from ..models.step_cache import step_cache_activation_bytes
 from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
 from ..runtime.chunking import projection_elements_per_row
+from ..runtime.host_store import PinBudget
 from ..runtime.platform import Platform
 from .memory_plan import ComponentEstimate, MemoryPlan, PhaseSpec, check_memory_budget_gib, fit_budget, format_bytes
 
@@ -290,7 +291,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                     keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
                     host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
                     residency: str | Mapping[str, str] | None = None, references=None,
-                    step_cache: bool = False) -> MemoryPlan:
+                    step_cache: bool = False, host_memory_bytes: int | None = None) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
@@ -298,7 +299,9 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     `keyframes`: the request has first / last keyframes, so the keyframe-encode phase runs (and the text encoder's
     vision tower). `steps` (sigma grid points) sizes the precomputed AdaLN tables. `staging_read_ahead`: the
     layerwise staging ring's read-ahead (the loaders' 1 by default; None: no ring); `host_budget_bytes`: on a
-    discrete device (CUDA), the host memory the stores and rings may take (None: reported, not checked).
+    discrete device (CUDA), the host memory the stores and rings may take (None: reported, not checked);
+    `host_memory_bytes`: the host's RAM, whose pin budget share (`PinBudget.DEFAULT_FRACTION`) caps the pinned
+    slabs a streamed component packs on CUDA (None: this process's pin budget).
     `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it; a
     mapping fixes each named component's (those of a pipeline already built). See `runtime.memory_plan.fit_budget`.
 
@@ -345,7 +348,15 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     return fit_budget(components, budget_bytes, Platform.for_device(device), dit=dit, rows=rows,
                       row_bytes=element * projection_elements_per_row(config), chunk_size=chunk_size, notes=notes,
                       phases=phases, keep=keep, staging_read_ahead=staging_read_ahead,
-                      host_budget_bytes=host_budget_bytes, residency=residency)
+                      host_budget_bytes=host_budget_bytes, residency=residency,
+                      pin_budget_bytes=pin_budget_for(host_memory_bytes))
+
+
+def pin_budget_for(host_memory_bytes: int | None) -> int:
+    """The pin budget of a host with that much RAM, or this process's own (None)."""
+    if host_memory_bytes is None:
+        return PinBudget.shared().limit_bytes
+    return int(host_memory_bytes * PinBudget.DEFAULT_FRACTION)
 
 
 def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_size: int | None = None,

@@ -129,7 +129,9 @@ class LayerwiseOffloadManager(BlockResidency):
         for i in range(self.num_blocks):
             self._bind_placeholders(i)
         try:
-            self._store = self.backend.build_store(recipes, self.streamed)
+            # A component told there is no next pass (one pass per request) streams through the ring unpacked.
+            self._store = self.backend.build_store(recipes, self.streamed,
+                                                   repeated=self._prefetch_next_pass_request is not False)
         except BaseException:
             for i, unit in enumerate(params):
                 for name, p in unit.items():

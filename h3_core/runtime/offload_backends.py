@@ -52,8 +52,9 @@ class OffloadBackend:
         self.device = self.platform.device
         self.store = None
 
-    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]):
-        """The host store of this backend; may consume `recipes` (entries set to None once stored)."""
+    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int], *, repeated: bool = True):
+        """The host store of this backend; may consume `recipes` (entries set to None once stored). `repeated`: the
+        units are used by more than one pass per load (worth packing into pinned memory where the backend pins)."""
         raise NotImplementedError
 
     def prepare(self, store, streamed: Sequence[int], num_slots: int) -> None:
@@ -108,7 +109,7 @@ class SynchronousBackend(OffloadBackend):
         self.releases = 0
         self.reclaims = 0
 
-    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]):
+    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int], *, repeated: bool = True):
         if self.read_ahead is not None and streamed and any_file_backed(recipes):
             return StagedReads(recipes, streamed, read_ahead=self.read_ahead, hand_over=self.platform.host_is_device,
                                cache_budget_bytes=self.cache_budget_bytes)
@@ -196,12 +197,12 @@ class AsyncBackend(OffloadBackend):
         self._free_recorded: list[bool] = []
         self._slot_nbytes = 0
 
-    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int]):
+    def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int], *, repeated: bool = True):
         if self.read_ahead is not None and streamed and any_file_backed(recipes):
             store = StagedReads(recipes, streamed, read_ahead=max(1, self.read_ahead), pin_budget=self.pin_budget,
                                 pinner=self._pinner, cache_budget_bytes=self.cache_budget_bytes)
             try:
-                store.pack_pinned()
+                store.pack_pinned(pack_units=repeated)
             except BaseException:
                 store.close()
                 raise

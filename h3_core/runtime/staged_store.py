@@ -166,6 +166,11 @@ class StagedReads:
                 + sum(s.nbytes for s in self.slabs.values() if s.pinned))
 
     @property
+    def ring_bytes(self) -> int:
+        """Host bytes of the staging ring at its full size (each buffer holds the largest streamed unit)."""
+        return self._ring_size * max((self.buffer_bytes(u) for u in self.streamed), default=0)
+
+    @property
     def cached_units(self) -> frozenset[int]:
         """Streamed units whose file pages are left in the page cache after they are read."""
         return self._keep_cached
@@ -177,8 +182,7 @@ class StagedReads:
             if available is None or total_ram is None:
                 return frozenset(self.streamed)
             # The ring not allocated yet will come out of the memory available now (what is allocated already has).
-            ring = self._ring_size * max((self.buffer_bytes(u) for u in self.streamed), default=0)
-            pending = max(0, ring - sum(b.numel() for b in self._ring))
+            pending = max(0, self.ring_bytes - sum(b.numel() for b in self._ring))
             budget = available - pending - CACHE_MARGIN_BYTES - int(CACHE_MARGIN_FRACTION * total_ram)
         elif budget < 0:  # asked never to drop
             return frozenset(self.streamed)
@@ -198,8 +202,10 @@ class StagedReads:
         """The consumer keeps `held` buffers lent at once (its device slots, when buffers are handed over)."""
         self._ring_size = self.read_ahead + max(1, held)
 
-    def pack_pinned(self) -> None:
-        """CUDA: page-lock the ring, then pack leading streamed units into pinned slabs while the budget allows."""
+    def pack_pinned(self, pack_units: bool = True) -> None:
+        """CUDA: page-lock the ring, then (`pack_units`: a component that runs more than one pass per load) pack
+        leading streamed units into pinned slabs while the budget allows. A single pass reads each unit once: it
+        streams through the ring, and packing would only read ahead what the ring reads anyway, at a slab's cost."""
         if self._pinner is None:
             return
         self._grow_ring(self._ring_size)
@@ -210,10 +216,11 @@ class StagedReads:
                     self._pinned_reserved += buffer.numel()
                 else:
                     self._pin_budget.give_back(buffer.numel())
-        for unit in self.streamed:
+        if not pack_units:
+            return
+        for unit in self.units_to_pack(self._pin_budget.limit_bytes - self._pin_budget.used_bytes):
             nbytes = self.buffer_bytes(unit)
-            if not nbytes or not self._pin_budget.try_reserve(nbytes):
-                break
+            self._pin_budget.try_reserve(nbytes)
             data = page_aligned_bytes(nbytes)
             self._fill_now(unit, data)
             pinned = self._pinner.register(data)
@@ -222,6 +229,18 @@ class StagedReads:
             else:
                 self._pin_budget.give_back(nbytes)
             self.slabs[unit] = UnitSlab(self._layouts[unit][0], data, pinned)
+
+    def units_to_pack(self, room: int) -> list[int]:
+        """The leading streamed units whose slabs fit `room` bytes of pin budget, in pass order, up to the first that
+        does not fit: the leading ones are needed first again at every pass."""
+        units, total = [], 0
+        for unit in self.streamed:
+            nbytes = self.buffer_bytes(unit)
+            if not nbytes or total + nbytes > room:
+                break
+            units.append(unit)
+            total += nbytes
+        return units
 
     def _grow_ring(self, size: int) -> None:
         nbytes = max((self.buffer_bytes(u) for u in self.streamed if u not in self.slabs), default=0)
