@@ -4,7 +4,7 @@
 their file segment, so streamed reads `pread` them). Tensor names are the state-dict keys, as ComfyUI-GGUF writes
 them; shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
 ggml type is quantised: `tensor(key)` is its raw blocks (uint8, one row of blocks per logical row) and
-`quantised.QuantisedWeight` dequantises them with gguf's `dequantize`. Each tensor's size, from its type and shape,
+`quantised.QuantisedWeight` dequantises them (`gguf_dequant`, in torch). Each tensor's size, from its type and shape,
 is checked against the space the data section gives it (`_check_layout`), so a wrong type or shape field is refused
 instead of reading a neighbour's bytes.
 """

@@ -15,9 +15,11 @@ will read them (`check_layer_payloads`: dtype and shape from the header, then th
 above 0, not making weights past the fp16 range), and each GGUF tensor's bytes against its type and shape
 (`gguf_io`); a damaged file is one `CheckpointError` naming the tensor, never noise or a traceback in the forward.
 
-Dequantisation is comfy-kitchen's eager (pure PyTorch) functions and gguf's `dequantize`, never a rewrite; both
-packages are the optional `quant` extra, imported only when a quantised file is opened. A quantised parameter's
-host recipe holds the stored payloads (the quantised bytes) and dequantises them where it is materialised.
+Dequantisation is comfy-kitchen's eager (pure PyTorch) functions, and for GGUF our torch decoder
+(`gguf_dequant`, checked bit for bit against gguf's NumPy `dequantize`, which still decodes the grid-based IQ types
+on the host); both packages are the optional `quant` extra, imported only when a quantised file is opened. A
+quantised parameter's host recipe holds the stored payloads (the quantised bytes) and dequantises them where it is
+materialised; `decodes_on_device` says whether a platform's device can do that (not fp8 payloads on MPS).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..errors import CheckpointError
+from . import gguf_dequant
 
 QUANT_EXTRA = "pip install 'h3-stream[quant]' (or: pip install comfy-kitchen gguf)"
 # What a dequantised weight is when the loader is asked to keep the checkpoint's dtypes: the repacks are made from
@@ -138,18 +141,38 @@ class QuantisedWeight:
 
 
 def _gguf_dequantise(q: QuantisedWeight, raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    if gguf_dequant.torch_decodes(q.gguf_type):  # where the blocks are: no trip through the host
+        return gguf_dequant.dequantize(raw, q.gguf_type).reshape(tuple(shape)).to(dtype)
+    # The grid-based IQ types only: gguf's NumPy code, so the blocks go through the host.
     gguf = gguf_package(q.path, q.key)
-    # gguf's dequantize is NumPy: the raw blocks go through the host, the result back to their device.
     host = raw.detach().to("cpu").contiguous().numpy()
     values = gguf.quants.dequantize(host, gguf.GGMLQuantizationType(q.gguf_type))
     return torch.from_numpy(values).reshape(tuple(shape)).to(device=raw.device, dtype=dtype)
+
+
+# The dtypes a payload of each non-GGUF format is stored in on the device (GGUF payloads are uint8 blocks).
+_PAYLOAD_DTYPES = {"float8_e4m3fn": (torch.float8_e4m3fn,), "fp8_scaled": (torch.float8_e4m3fn,),
+                   "float8_e5m2": (torch.float8_e5m2,), "nvfp4": (torch.float8_e4m3fn,)}
+
+
+def decodes_on_device(q: QuantisedWeight, platform) -> bool:
+    """Whether `q`'s payloads can be moved to `platform`'s device as stored and dequantised there: not where the
+    device cannot hold a payload's dtype (fp8 weights or NVFP4 block scales on MPS), which must be dequantised on
+    the host and moved in the compute dtype; nor for the GGUF types only gguf's NumPy code decodes (on the device
+    they would go device -> host -> device)."""
+    if q.gguf_type is not None:
+        return gguf_dequant.torch_decodes(q.gguf_type)
+    return all(platform.holds(d) for d in _PAYLOAD_DTYPES.get(q.format, ()))
 
 
 _GGUF_SUPPORTED: dict[int, bool] = {}
 
 
 def _gguf_dequantises(path, gguf_type: int) -> bool:
-    """Whether gguf's `dequantize` implements `gguf_type`: tried once on one zero block."""
+    """Whether `gguf_type` is decoded: by the torch decoder, or by gguf's `dequantize` (tried once on one zero
+    block)."""
+    if gguf_dequant.torch_decodes(gguf_type):
+        return True
     if gguf_type not in _GGUF_SUPPORTED:
         import numpy as np
 
