@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..runtime.chunking import FUSED, RowChunks
+from ..runtime.chunking import (FUSED, ChunkingBackend, RowChunks, backend_row_limit,
+                                 warn_chunk_size_clamped)
 from ..errors import H3Error
 from ..runtime.phase_scoped import PhaseScopedWeights
 from ..runtime.residency import AllResident
@@ -267,6 +268,16 @@ class DecoderLayer(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class _RowWidths:
+    """A decoder layer's widths as the chunking's limits read them (`chunking.RowWidths`)."""
+
+    hidden_size: int
+    inner_dim: int
+    ffn_dim: int
+    num_attention_heads: int
+
+
 class LanguageModel(nn.Module):
     """Token embeddings and the first `num_layers` decoder layers; no final norm, no head."""
 
@@ -281,6 +292,24 @@ class LanguageModel(nn.Module):
         self.block_residency = AllResident(num_layers)
         # Rows per chunk of attention queries and MLP for long prompts (None: the fused path).
         self.chunk_size: int | None = None
+        # The device's hard limits (MPS: no buffer over 4 GiB, so no materialised score matrix of a prompt over
+        # about 5.8k rows in one call): the platform's `chunking`; None sets none.
+        self.chunking: ChunkingBackend | None = None
+
+    def chunk_rows(self, rows: int, batch: int, element_bytes: int) -> int | None:
+        """Rows per chunk for a prompt of `rows` rows: `chunk_size`, lowered to the device's hard limit (with a
+        `ChunkSizeClamped` warning when an explicit size was), as the transformer's chunks are."""
+        if self.chunking is None:
+            return self.chunk_size
+        c = self.config
+        widths = _RowWidths(c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size,
+                            c.num_attention_heads)
+        hard = backend_row_limit(rows, widths, batch=batch, element_bytes=element_bytes, backend=self.chunking)
+        if hard is None or (self.chunk_size is not None and self.chunk_size <= hard):
+            return self.chunk_size
+        if self.chunk_size is not None:
+            warn_chunk_size_clamped(self.chunk_size, hard, rows, self.chunking)
+        return hard
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, visual_rows: torch.Tensor | None = None,
                 deepstack: Sequence[torch.Tensor] = (),
@@ -293,7 +322,9 @@ class LanguageModel(nn.Module):
         """
         cos, sin = self.rotary(positions)
         x = inputs_embeds
-        chunks = RowChunks(self.chunk_size, check_interrupt=check_interrupt)
+        batch, rows, _ = inputs_embeds.shape
+        chunks = RowChunks(self.chunk_rows(rows, batch, inputs_embeds.element_size()),
+                           check_interrupt=check_interrupt)
         last = len(self.layers) - 1
         residency = self.block_residency
         residency.begin_pass()

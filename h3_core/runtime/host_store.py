@@ -443,9 +443,13 @@ class PinnedSlab:
     kind = "pinned_slab"
 
     def __init__(self, recipes: Sequence[UnitRecipes | None], *, budget: PinBudget | None = None,
-                 pinner: HostPinner | None = None, pin_units: Sequence[int] | None = None):
+                 pinner: HostPinner | None = None, pin_units: Sequence[int] | None = None,
+                 before_unpin: Callable[[], None] | None = None):
         self.budget = budget if budget is not None else PinBudget(0)
         self._pinner = pinner
+        # Synchronises the device before the first unpin (a store dropped without its backend's close() may still
+        # be read by a pending copy): the backend's `platform.synchronize`.
+        self._before_unpin = before_unpin
         pin_units = set(range(len(recipes)) if pin_units is None else pin_units)
         self.slabs: list[UnitSlab] = []
         self._names: list[list[str]] = []
@@ -520,8 +524,11 @@ class PinnedSlab:
         return view_in(slab.data, entry)
 
     def close(self) -> None:
-        """Unpin every slab. Callers synchronise the device first: a pending DMA may still read a slab. A slab the
-        runtime refuses to unlock (the pinner warns) stays counted in the budget: its pages are still locked."""
+        """Unpin every slab, after `before_unpin` (a device synchronisation: a pending DMA may still read a slab).
+        A slab the runtime refuses to unlock (the pinner warns) stays counted in the budget: its pages are still
+        locked."""
+        if self._before_unpin is not None and any(s.pinned for s in self.slabs):
+            self._before_unpin()
         for slab in self.slabs:
             if slab.pinned and self._pinner is not None:
                 slab.pinned = False

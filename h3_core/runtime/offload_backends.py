@@ -47,8 +47,9 @@ class OffloadBackend:
     asynchronous = False
     default_prefetch = 0
 
-    def __init__(self, device: torch.device | str):
-        self.platform = Platform.for_device(device)
+    def __init__(self, device: torch.device | str, platform: Platform | None = None):
+        # `platform`: the device's platform when it is not the one `device` names (a test's simulated device).
+        self.platform = platform if platform is not None else Platform.for_device(device)
         self.device = self.platform.device
         self.store = None
 
@@ -97,8 +98,8 @@ class SynchronousBackend(OffloadBackend):
     """
 
     def __init__(self, device: torch.device | str, *, reclaim_every: int | None = None, read_ahead: int | None = 1,
-                 cache_budget_bytes: int | None = None):
-        super().__init__(device)
+                 cache_budget_bytes: int | None = None, platform: Platform | None = None):
+        super().__init__(device, platform)
         self.read_ahead = _check_read_ahead(read_ahead)
         self.cache_budget_bytes = cache_budget_bytes
         self.reclaim_every = self.platform.default_reclaim_every if reclaim_every is None else int(reclaim_every)
@@ -131,7 +132,8 @@ class SynchronousBackend(OffloadBackend):
                 tensors = store.views(unit, staged.buffer)
             else:
                 try:
-                    copy = staged.buffer[: store.buffer_bytes(unit)].to(device=self.device, copy=True)
+                    copy = self.platform.empty(store.buffer_bytes(unit))
+                    self.platform.copy_to_device(copy, staged.buffer[: store.buffer_bytes(unit)])
                 finally:
                     store.give_back(staged)
                 tensors = store.views(unit, copy)
@@ -161,7 +163,19 @@ class SynchronousBackend(OffloadBackend):
         self.reclaims += 1
 
     def materialise_persistent(self, unit: int) -> tuple[dict[str, torch.Tensor], int]:
-        tensors = self.store.materialise(unit, self.device)
+        store = self.store
+        if isinstance(store, StagedReads) and not store.hand_over:  # the copy goes through the platform
+            staged = store.take(unit) if unit not in store.slabs else None
+            data = store.slabs[unit].data if staged is None else staged.buffer[: store.buffer_bytes(unit)]
+            try:
+                buffer = self.platform.empty(data.numel())
+                self.platform.copy_to_device(buffer, data)
+            finally:
+                if staged is not None:
+                    store.give_back(staged)
+            tensors = store.views(unit, buffer)
+        else:
+            tensors = store.materialise(unit, self.device)
         return tensors, sum(t.numel() * t.element_size() for t in tensors.values())
 
     def close(self) -> None:
@@ -184,8 +198,8 @@ class AsyncBackend(OffloadBackend):
 
     def __init__(self, device: torch.device | str = "cuda", *, pin_budget: PinBudget | None = None,
                  pinner: HostPinner | None = None, read_ahead: int | None = 1,
-                 cache_budget_bytes: int | None = None):
-        super().__init__(device)
+                 cache_budget_bytes: int | None = None, platform: Platform | None = None):
+        super().__init__(device, platform)
         self.pin_budget = pin_budget if pin_budget is not None else PinBudget.shared()
         self.read_ahead = _check_read_ahead(read_ahead)
         self.cache_budget_bytes = cache_budget_bytes
@@ -200,14 +214,16 @@ class AsyncBackend(OffloadBackend):
     def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int], *, repeated: bool = True):
         if self.read_ahead is not None and streamed and any_file_backed(recipes):
             store = StagedReads(recipes, streamed, read_ahead=max(1, self.read_ahead), pin_budget=self.pin_budget,
-                                pinner=self._pinner, cache_budget_bytes=self.cache_budget_bytes)
+                                pinner=self._pinner, cache_budget_bytes=self.cache_budget_bytes,
+                                before_unpin=self.platform.synchronize)
             try:
                 store.pack_pinned(pack_units=repeated)
             except BaseException:
                 store.close()
                 raise
             return store
-        return PinnedSlab(recipes, budget=self.pin_budget, pinner=self._pinner, pin_units=streamed)
+        return PinnedSlab(recipes, budget=self.pin_budget, pinner=self._pinner, pin_units=streamed,
+                          before_unpin=self.platform.synchronize)
 
     def prepare(self, store, streamed: Sequence[int], num_slots: int) -> None:
         self.store = store
@@ -215,11 +231,16 @@ class AsyncBackend(OffloadBackend):
         # Slots are sized for the largest streamed unit and allocated once: stable pointers, a deterministic peak,
         # no allocator churn; they are never freed before close(), so the allocator never reuses them early.
         self._slot_nbytes = max((store.buffer_bytes(u) for u in streamed), default=0)
-        self.buffers = [torch.empty(self._slot_nbytes, dtype=torch.uint8, device=self.device)
-                        for _ in range(num_slots)]
+        self.buffers = [self.platform.empty(self._slot_nbytes) for _ in range(num_slots)]
         self.ready_events = [self.platform.new_event() for _ in range(num_slots)]
         self.free_events = [self.platform.new_event() for _ in range(num_slots)]
         self._free_recorded = [False] * num_slots
+        # The slots come from the caching allocator, which may hand over memory that work already queued on the
+        # compute stream still uses (the allocator orders reuse for that stream only): the first copy into each
+        # slot waits for everything queued before them.
+        allocated = self.platform.new_event()
+        allocated.record(self.platform.current_stream())
+        self.copy_stream.wait_event(allocated)
 
     def _host_unit(self, unit: int):
         """(bytes to copy, staging buffer lent or None) of `unit`: a packed slab, or a staging buffer read ahead."""
@@ -238,7 +259,7 @@ class AsyncBackend(OffloadBackend):
                 if self._free_recorded[slot]:
                     # Overwrite only after the compute work that read this slot's previous unit.
                     self.copy_stream.wait_event(self.free_events[slot])
-                self.buffers[slot][: data.numel()].copy_(data, non_blocking=True)
+                self.platform.copy_to_device(self.buffers[slot][: data.numel()], data, non_blocking=True)
                 self.ready_events[slot].record(self.copy_stream)
                 copied = None
                 if staged is not None:
@@ -268,18 +289,28 @@ class AsyncBackend(OffloadBackend):
 
     def materialise_persistent(self, unit: int) -> tuple[dict[str, torch.Tensor], int]:
         if isinstance(self.store, StagedReads):
-            tensors = self.store.materialise(unit, self.device)  # resident units are read once, synchronously
-            return tensors, self.store.buffer_bytes(unit)
+            # Resident units are read once and copied synchronously (on the compute stream): the staging buffer can
+            # go back to the reader as soon as the copy returns.
+            data, staged = self._host_unit(unit)
+            try:
+                buffer = self.platform.empty(data.numel())
+                self.platform.copy_to_device(buffer, data)
+            finally:
+                if staged is not None:
+                    self.store.give_back(staged)
+            return self.store.views(unit, buffer), data.numel()
         slab = self.store.slab(unit)
-        buffer = torch.empty(slab.nbytes, dtype=torch.uint8, device=self.device)
-        buffer.copy_(slab.data, non_blocking=True)  # on the compute stream: ordered before every use
+        buffer = self.platform.empty(slab.nbytes)
+        # On the compute stream: ordered before every use.
+        self.platform.copy_to_device(buffer, slab.data, non_blocking=True)
         return self.store.views(unit, buffer), slab.nbytes
 
     def slot_bytes(self) -> int:
         return self._slot_nbytes * len(self.buffers)
 
     def close(self) -> None:
-        # The only host synchronisation: a pending DMA may still read a slab that is about to be unpinned.
+        # The only host synchronisation: a pending DMA may still read a slab that is about to be unpinned (the
+        # stores synchronise again before unpinning, for a store closed or dropped without this).
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
         self.platform.current_stream().synchronize()
@@ -290,9 +321,10 @@ class AsyncBackend(OffloadBackend):
         self.copy_stream = None
 
 
-def offload_backend(device: torch.device | str, **options) -> OffloadBackend:
-    """The backend for `device`: asynchronous with pinned slabs where the platform has asynchronous copies (CUDA),
-    synchronous with held tensors elsewhere."""
-    if Platform.for_device(device).asynchronous_copies:
-        return AsyncBackend(device, **options)
-    return SynchronousBackend(device, **options)
+def offload_backend(device: torch.device | str, *, platform: Platform | None = None, **options) -> OffloadBackend:
+    """The backend for `device` (or `platform`, a simulated one): asynchronous with pinned slabs where the platform
+    has asynchronous copies (CUDA), synchronous with held tensors elsewhere."""
+    platform = platform if platform is not None else Platform.for_device(device)
+    if platform.asynchronous_copies:
+        return AsyncBackend(device, platform=platform, **options)
+    return SynchronousBackend(device, platform=platform, **options)

@@ -153,6 +153,12 @@ class _HostOps:
     def host_pinner(self):
         return None
 
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        dst.copy_(src, non_blocking=non_blocking)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
     def name(self) -> str:
         return self.device.type
 
@@ -226,6 +232,9 @@ class _Facts:
     default_reclaim_every: int = 0  # releases between synchronize + empty_cache; 0 = never
     decode_autocast: torch.dtype | None = None  # the video decoder's default autocast dtype
     has_index: bool = True  # devices are told apart by an index (cuda:0, cuda:1)
+    # Dtypes a tensor on the device cannot have (MPS has no float64 and no float8 storage: creating or casting
+    # one raises), so quantised payloads stored in them are decoded on the host (`Platform.holds`).
+    missing_dtypes: frozenset = frozenset()
 
 
 _FACTS = {
@@ -240,7 +249,8 @@ _FACTS = {
     "cuda": _Facts(_CudaOps, ChunkingBackend("cuda"), asynchronous_copies=True, decode_autocast=torch.float16),
     "mps": _Facts(_MpsOps, ChunkingBackend("mps", materializes_scores=True, max_buffer_bytes=4 * GiB,
                                            long_sequence_rows=12_288, max_long_sequence_query_rows=2048),
-                  unified_memory=True, default_reclaim_every=1),
+                  unified_memory=True, default_reclaim_every=1,
+                  missing_dtypes=frozenset({torch.float64, torch.float8_e4m3fn, torch.float8_e5m2})),
 }
 
 
@@ -261,6 +271,9 @@ class Platform:
 
     device_type: str
     index: int | None = field(default=None, compare=False)
+    # Tests only (tests/fake_cuda.py): the device operations of a simulated device of this kind. Its `device` is
+    # where its tensors live (the CPU); every fact stays the kind's own.
+    ops: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.device_type not in _FACTS:
@@ -289,9 +302,16 @@ class Platform:
     def _facts(self) -> _Facts:
         return _FACTS[self.device_type]
 
+    @classmethod
+    def simulated(cls, device_type: str, ops) -> "Platform":
+        """A platform of kind `device_type` whose device operations are `ops` (a test's fake device)."""
+        return cls(device_type, None, ops)
+
     @property
     def device(self) -> torch.device:
         """The torch device; a CUDA device without an index is the current one (so slots and streams agree)."""
+        if self.ops is not None:
+            return self.ops.device
         if self.index is None and self.device_type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type, self.index) if self.index is not None else torch.device(self.device_type)
@@ -299,7 +319,7 @@ class Platform:
     @property
     def host_is_device(self) -> bool:
         """The CPU computes: device memory is the process's own (its RSS), with no allocator to ask."""
-        return self._facts.ops is _HostOps
+        return self._facts.ops is _HostOps and self.ops is None
 
     def name(self) -> str:
         """The device as a person would name it (the GPU model on CUDA)."""
@@ -332,6 +352,10 @@ class Platform:
     def chunking(self) -> ChunkingBackend:
         return self._facts.chunking
 
+    def holds(self, dtype: torch.dtype) -> bool:
+        """Whether a tensor on this device can have `dtype` (a stored payload's dtype, e.g. fp8 on MPS: no)."""
+        return dtype not in self._facts.missing_dtypes
+
     def decode_autocast_dtype(self, enabled: bool | None = None) -> torch.dtype | None:
         """The video decoder's autocast dtype: None (no autocast) or fp16 where the reference uses it (CUDA).
 
@@ -360,7 +384,7 @@ class Platform:
 
     @property
     def _ops(self):
-        return self._facts.ops(self.device)
+        return self.ops if self.ops is not None else self._facts.ops(self.device)
 
     def synchronize(self) -> None:
         self._ops.synchronize()
@@ -419,9 +443,19 @@ class Platform:
         """Page-locks host memory for asynchronous copies; None where copies are synchronous anyway."""
         return self._ops.host_pinner()
 
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+        """`dst.copy_(src)` from host memory into a device buffer, on the current stream: the one operation every
+        host-to-device copy of the offload backends goes through (a simulated device sees each)."""
+        self._ops.copy_to_device(dst, src, non_blocking)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised device buffer of `nbytes` bytes (uint8), from the device's allocator."""
+        return self._ops.empty(nbytes)
+
 
 def peak_rss_bytes() -> int | None:
-    """Peak resident set of this process since it started (Linux: VmHWM; macOS reports ru_maxrss in bytes)."""
+    """Peak resident set of this process since it started: Linux VmHWM, else getrusage (macOS reports ru_maxrss in
+    bytes), else Windows' PeakWorkingSetSize (psapi); None where none of them exists."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmHWM:"):
@@ -434,7 +468,36 @@ def peak_rss_bytes() -> int | None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
     except (ImportError, OSError):
+        pass
+    return _windows_peak_working_set()
+
+
+def _windows_peak_working_set() -> int | None:
+    try:
+        import ctypes
+        from ctypes import wintypes
+    except (ImportError, ValueError):
         return None
+    if not hasattr(ctypes, "WinDLL"):
+        return None
+
+    class Counters(ctypes.Structure):  # PROCESS_MEMORY_COUNTERS
+        _fields_ = [("cb", wintypes.DWORD), ("PageFaultCount", wintypes.DWORD)] + [
+            (name, ctypes.c_size_t) for name in (
+                "PeakWorkingSetSize", "WorkingSetSize", "QuotaPeakPagedPoolUsage", "QuotaPagedPoolUsage",
+                "QuotaPeakNonPagedPoolUsage", "QuotaNonPagedPoolUsage", "PagefileUsage", "PeakPagefileUsage")]
+
+    try:
+        counters = Counters(cb=ctypes.sizeof(Counters))
+        kernel32 = ctypes.WinDLL("kernel32")
+        kernel32.GetCurrentProcess.restype = wintypes.HANDLE
+        get = ctypes.WinDLL("psapi").GetProcessMemoryInfo
+        get.argtypes = [wintypes.HANDLE, ctypes.POINTER(Counters), wintypes.DWORD]
+        if get(kernel32.GetCurrentProcess(), ctypes.byref(counters), counters.cb):
+            return counters.PeakWorkingSetSize
+    except (OSError, AttributeError):
+        pass
+    return None
 
 
 def device_problem(device) -> str | None:

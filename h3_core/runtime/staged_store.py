@@ -80,8 +80,10 @@ class StagedReads:
 
     def __init__(self, recipes: Sequence[UnitRecipes], streamed: Sequence[int], *, read_ahead: int = 1,
                  hand_over: bool = False, cache_budget_bytes: int | None = None, pin_budget: PinBudget | None = None,
-                 pinner: HostPinner | None = None):
+                 pinner: HostPinner | None = None, before_unpin=None):
         self._recipes = [dict(r) for r in recipes]
+        # Synchronises the device before anything is unpinned (see PinnedSlab): the backend's platform.synchronize.
+        self._before_unpin = before_unpin
         self.streamed = tuple(streamed)
         self.read_ahead = int(read_ahead)
         self.hand_over = hand_over
@@ -508,7 +510,8 @@ class StagedReads:
         return self._recipes[unit][name].host_value()
 
     def close(self) -> None:
-        """Stop the reader and unpin. Callers synchronise the device first: a pending copy may read a buffer."""
+        """Stop the reader and unpin, after `before_unpin` (a device synchronisation: a pending copy may read a
+        buffer)."""
         if self._closed:
             return
         self._closed = True
@@ -517,6 +520,8 @@ class StagedReads:
         self._advisor.shutdown(wait=True)
         self._drop_pending()
         self._staged = {}
+        if self._before_unpin is not None and (any(self._ring_pinned) or any(s.pinned for s in self.slabs.values())):
+            self._before_unpin()
         if self._pinner is not None:
             for buffer, pinned in zip(self._ring, self._ring_pinned):
                 if pinned:
