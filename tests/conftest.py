@@ -10,6 +10,13 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 # kernels down by orders of magnitude. Subprocesses (CLI tests) inherit these settings.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# H3_WITHOUT_POSIX=1: run the suite as Windows' Python would see h3_core (tests/no_posix.py); applied here, before any
+# test module imports h3_core.
+import no_posix  # noqa: E402
+
+if no_posix.enabled():
+    no_posix.apply()
+
 import pytest  # noqa: E402  (after the settings above: pytest does not import torch)
 
 

@@ -23,6 +23,45 @@ READ_CHUNK_BYTES = 32 * 1024 * 1024
 _FADVISE = hasattr(os, "posix_fadvise")
 
 
+def _preadv_into(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(view), offset)
+    view[: len(data)] = data
+    return len(data)
+
+
+_seek_lock = threading.Lock()
+
+
+def _seek_read_into(fd: int, view: memoryview, offset: int) -> int:
+    """Windows' Python has neither preadv nor pread: seek and read on the descriptor. The descriptor's position is
+    shared by every thread reading this file, so the seek and the read are one step under a lock."""
+    with _seek_lock:
+        os.lseek(fd, offset, os.SEEK_SET)
+        return os.readv(fd, [view]) if hasattr(os, "readv") else _read_into(fd, view)
+
+
+def _read_into(fd: int, view: memoryview) -> int:
+    data = os.read(fd, len(view))
+    view[: len(data)] = data
+    return len(data)
+
+
+def _positioned_read() -> "Callable[[int, memoryview, int], int]":
+    """The positioned read this OS offers, chosen once: preadv (no copy), pread (one copy), seek + read (Windows)."""
+    if hasattr(os, "preadv"):
+        return _preadv_into
+    if hasattr(os, "pread"):
+        return _pread_into
+    return _seek_read_into
+
+
+_read_at = _positioned_read()
+
+
 @dataclass(frozen=True)
 class FileIdentity:
     """What must not change while a file is in use: device, inode, size, modification time and status-change time.
@@ -124,7 +163,7 @@ class FileReader:
         entry = self._fds.get(segment.path)
         if entry is None:
             try:
-                fd = os.open(segment.path, os.O_RDONLY)
+                fd = os.open(segment.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
             except OSError as exc:
                 raise changed_file_error(segment.path, f"it can no longer be opened: {exc.strerror}") from None
             entry = (fd, segment.identity)
@@ -154,7 +193,7 @@ class FileReader:
             if self.cancelled:
                 return
             step = min(READ_CHUNK_BYTES, nbytes - done)
-            got = os.preadv(fd, [view[done: done + step]], segment.offset + start + done)
+            got = _read_at(fd, view[done: done + step], segment.offset + start + done)
             if got <= 0:
                 raise changed_file_error(
                     segment.path, f"reading {segment.nbytes} bytes at offset {segment.offset} stopped after "
@@ -193,13 +232,45 @@ def _meminfo(field: str) -> int | None:
     return None
 
 
+def _windows_memory_status() -> tuple[int, int] | None:
+    """(available, total) physical memory from Windows' GlobalMemoryStatusEx; None elsewhere."""
+    if not hasattr(ctypes, "WinDLL"):
+        return None
+
+    class Status(ctypes.Structure):  # MEMORYSTATUSEX
+        _fields_ = [("dwLength", ctypes.c_uint32), ("dwMemoryLoad", ctypes.c_uint32)] + [
+            (name, ctypes.c_uint64) for name in ("ullTotalPhys", "ullAvailPhys", "ullTotalPageFile",
+                                                 "ullAvailPageFile", "ullTotalVirtual", "ullAvailVirtual",
+                                                 "ullAvailExtendedVirtual")]
+
+    status = Status(dwLength=ctypes.sizeof(Status))
+    try:
+        if ctypes.WinDLL("kernel32").GlobalMemoryStatusEx(ctypes.byref(status)):
+            return status.ullAvailPhys, status.ullTotalPhys
+    except OSError:
+        pass
+    return None
+
+
 def available_memory_bytes() -> int | None:
-    """Memory the kernel can give without swapping (Linux MemAvailable: free + reclaimable page cache)."""
-    return _meminfo("MemAvailable")
+    """Memory the kernel can give without swapping (Linux MemAvailable: free + reclaimable page cache; Windows'
+    available physical memory; None on macOS, which has no cheap equivalent)."""
+    found = _meminfo("MemAvailable")
+    if found is None and (status := _windows_memory_status()) is not None:
+        found = status[0]
+    return found
 
 
 def total_memory_bytes() -> int | None:
-    return _meminfo("MemTotal")
+    """Physical RAM: Linux MemTotal, else the OS's page count (macOS), else Windows' GlobalMemoryStatusEx."""
+    found = _meminfo("MemTotal")
+    if found is None:
+        try:
+            found = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (AttributeError, ValueError, OSError):
+            status = _windows_memory_status()
+            found = None if status is None else status[1]
+    return found
 
 
 def disk_read_bytes() -> int | None:
