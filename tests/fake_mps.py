@@ -8,7 +8,9 @@ CPU, with the MPS behaviours the pack's MPS rules exist for:
   (`driver_bytes`) until `synchronize()` (what `reclaim_every` exists for on MPS).
 
 The dtype and buffer rules apply to the ops run inside `with fake.active():` (a torch function mode), so test code
-outside it may still use float64 for its own comparisons.
+outside it may still use float64 for its own comparisons. `active(device_only=True)` applies them only to ops that
+read a buffer of this device (from `empty`: the offload backends' slots and copies), for code that also does host work
+on the same thread (reading and dequantising weights on the host), which the CPU-backed fake cannot tell apart.
 """
 
 from __future__ import annotations
@@ -39,12 +41,16 @@ def _tensors(value):
 
 
 class _MpsRules(TorchFunctionMode):
-    def __init__(self, fake: "FakeMps"):
+    def __init__(self, fake: "FakeMps", device_only: bool):
         super().__init__()
         self.fake = fake
+        self.device_only = device_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.device_only and not any(t.untyped_storage().data_ptr() in self.fake.device_storages
+                                        for t in _tensors((args, tuple(kwargs.values())))):
+            return func(*args, **kwargs)  # host work
         if func is F.scaled_dot_product_attention:
             self.fake.check_scores(args[0], args[1])
         out = func(*args, **kwargs)
@@ -62,13 +68,15 @@ class FakeMps(_HostOps):
         self.pending_free_bytes = 0  # freed by Python, held by the driver until synchronize()
         self.synchronizations = 0
         self.copies: list[int] = []  # bytes of each host-to-device copy
+        self.device_storages: set[int] = set()  # data pointers of the buffers `empty` made
+        self._kept: list[torch.Tensor] = []  # an empty view of each: their addresses are never reused by host memory
 
     def platform(self) -> Platform:
         return Platform.simulated("mps", self)
 
     @contextlib.contextmanager
-    def active(self):
-        with _MpsRules(self):
+    def active(self, device_only: bool = False):
+        with _MpsRules(self, device_only):
             yield self
 
     # ---- the rules ----------------------------------------------------------------------------------------------
@@ -95,6 +103,8 @@ class FakeMps(_HostOps):
     def empty(self, nbytes: int) -> torch.Tensor:
         self._check_bytes(nbytes, "empty")
         buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.device_storages.add(buffer.untyped_storage().data_ptr())
+        self._kept.append(torch.empty(0, dtype=torch.uint8).set_(buffer.untyped_storage(), 0, (0,)))  # no _base
         self.live_bytes += nbytes
         weakref.finalize(buffer, self._freed, nbytes)
         return buffer

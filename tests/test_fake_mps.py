@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,30 +81,6 @@ def test_mps_admission_and_chunk_caps_on_the_fake_platform():
     # rule at 2048 rows; a short sequence is one chunk.
     assert backend_row_limit(16_384, Widths(), element_bytes=2, backend=chunking) == 2048
     assert backend_row_limit(2_000, Widths(), element_bytes=2, backend=chunking) is None
-
-
-def test_quantised_decode_placement_on_the_fake_mps():
-    """fp8 payloads are not decoded on the fake MPS (it cannot hold them: moving them there raises); GGUF blocks
-    decode on it with no float64, fp8 or host trip, to gguf's values."""
-    gguf = pytest.importorskip("gguf")
-    from h3_core.checkpoints.quantised import QuantisedWeight, decodes_on_device
-
-    fake = FakeMps()
-    platform = fake.platform()
-    fp8 = QuantisedWeight("x.safetensors", "float8_e4m3fn", ("w", "s"), (4, 4), (4, 4))
-    assert not decodes_on_device(fp8, platform)
-    with fake.active(), pytest.raises(FakeMpsError):
-        torch.zeros(4, 4).to(torch.float8_e4m3fn)  # what decoding it on the device would do
-    raw = np.random.default_rng(0).integers(0, 256, size=(4, 2 * 144), dtype=np.uint8)
-    raw[:, [0, 1, 144, 145]] = [0x00, 0x3C, 0x00, 0x3C]  # d = 1.0 in both blocks of every row
-    raw[:, [2, 3, 146, 147]] = [0x00, 0x38, 0x00, 0x38]  # dmin = 0.5
-    q4_k = int(gguf.GGMLQuantizationType.Q4_K)
-    q = QuantisedWeight("x.gguf", "gguf Q4_K", ("w",), (4, 288), (4, 512), gguf_type=q4_k)
-    assert decodes_on_device(q, platform)
-    with fake.active():
-        out = q.dequantise([torch.from_numpy(raw)], torch.bfloat16, (4, 512))
-    want = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)).to(torch.bfloat16)
-    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
 
 
 def _tiny_language_model():

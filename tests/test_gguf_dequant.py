@@ -145,24 +145,3 @@ def test_grid_types_still_decode_through_gguf_on_the_host():
     raw = np.zeros(stored, dtype=np.uint8)
     out = q.dequantise([torch.from_numpy(raw)], torch.float32, q.shape)
     assert torch.equal(out, torch.from_numpy(gguf.quants.dequantize(raw, T.IQ2_XXS)))
-
-
-def test_decode_placement_per_platform():
-    """fp8 payloads (and NVFP4's fp8 block scales) cannot be held on MPS: decoded on the host there; on CUDA and the
-    CPU on the device. GGUF blocks (uint8) decode on every device, except the NumPy-only grid types."""
-    from h3_core.checkpoints.quantised import QuantisedWeight, decodes_on_device
-    from h3_core.runtime.platform import Platform
-
-    def weight(fmt):
-        return QuantisedWeight("x.safetensors", fmt, ("w", "s"), (4, 4), (4, 4))
-
-    cases = {"float8_e4m3fn": weight("float8_e4m3fn"), "float8_e5m2": weight("float8_e5m2"),
-             "fp8_scaled": weight("fp8_scaled"), "nvfp4": weight("nvfp4"), "int8_tensorwise": weight("int8_tensorwise"),
-             "int8_convrot": weight("int8_convrot"), "Q4_K": _gguf_weight(T.Q4_K)[0],
-             "Q8_0": _gguf_weight(T.Q8_0)[0], "IQ2_XXS": _gguf_weight(T.IQ2_XXS)[0]}
-    on_device = {kind: {name for name, q in cases.items() if decodes_on_device(q, Platform(kind))}
-                 for kind in ("cpu", "cuda", "mps")}
-    everything = set(cases) - {"IQ2_XXS"}
-    assert on_device == {"cpu": everything, "cuda": everything,
-                         "mps": {"int8_tensorwise", "int8_convrot", "Q4_K", "Q8_0"}}
-    assert not Platform("mps").holds(torch.float64) and Platform("cuda").holds(torch.float8_e4m3fn)

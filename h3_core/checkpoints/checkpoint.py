@@ -82,16 +82,18 @@ class Checkpoint:
         return spec.combine(*tensors) if spec.combine else tensors[0]
 
     def recipe(self, spec: WeightSpec, dtype_for: Callable[[torch.dtype], torch.dtype],
-               shape: tuple[int, ...]) -> HostTensor:
+               shape: tuple[int, ...], platform=None) -> HostTensor:
         """How the parameter of `spec` is made, at `dtype_for(stored dtype)`: the stored tensors and the combine,
         or, when a stored tensor is quantised, its payloads and a decode that dequantises then combines (the
-        stored dtype of a quantised weight counts as `DEQUANTISED_DEFAULT_DTYPE`)."""
+        stored dtype of a quantised weight counts as `DEQUANTISED_DEFAULT_DTYPE`), on `platform`'s device where it can
+        (`HostTensor.placed_for`; None: wherever it is materialised)."""
         if not any(k in self.quantised for k in spec.keys):
             sources = self.tensors(spec)
             return HostTensor(sources, dtype_for(sources[0].dtype), shape, spec.combine)
         dtype = dtype_for(DEQUANTISED_DEFAULT_DTYPE)
         keys, decode = quantised_decoder(spec.keys, spec.shapes, self.quantised, dtype, spec.combine)
-        return HostTensor(tuple(self.files[k].tensor(k) for k in keys), dtype, shape, decode=decode)
+        recipe = HostTensor(tuple(self.files[k].tensor(k) for k in keys), dtype, shape, decode=decode)
+        return recipe if platform is None else recipe.placed_for(platform)
 
     def quantised_bytes(self, spec: WeightSpec) -> int | None:
         """Stored bytes of the payloads `spec` is made from when one of its tensors is quantised (what streaming

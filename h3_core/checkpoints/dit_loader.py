@@ -28,6 +28,7 @@ from ..models.meta_models import meta_model
 from ..runtime.chunking import ChunkingPolicy
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
+from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, cat_rows, check_config_sizes,
                          compute_dtype, count_indexed, deinterleave_rows, expected_shapes, not_a_checkpoint,
@@ -327,7 +328,7 @@ def load_dit(source: str | os.PathLike, *, device="cpu", dtype: torch.dtype | No
             # ...): the host store of a streamed block, and what a LoRA change re-makes a resident weight from.
             # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
             recipe = ckpt.recipe(spec, lambda stored: target_dtype(spec.name, stored, dtype, main),
-                                 _expected_shape(model, spec.name))
+                                 _expected_shape(model, spec.name), Platform.for_device(device))
             recipes[spec.name] = recipe
             if layerwise and _offloaded(spec.name):
                 set_tensor(model, spec.name, torch.empty(0, dtype=recipe.dtype, device=device))

@@ -54,7 +54,8 @@ def companion_manager(manager: LayerwiseOffloadManager, *, prefetch: int = 0,
     budget = getattr(manager.backend, "pin_budget", None)
     if budget is not None:
         options["pin_budget"] = budget
-    return LayerwiseOffloadManager(offload_backend(manager.backend.device, **options), prefetch=prefetch,
+    return LayerwiseOffloadManager(offload_backend(manager.backend.device, platform=manager.backend.platform,
+                                                   **options), prefetch=prefetch,
                                    prefetch_next_pass=prefetch_next_pass)
 
 
@@ -87,6 +88,7 @@ def attach_layerwise(model: nn.Module, recipes: Mapping[str, HostTensor], manage
     phase_units = {name: unit(prefixes) for name, prefixes in (phases or {}).items()}
     phase_units = {name: u for name, u in phase_units.items() if u}
     # Phases read through the memory maps (checked before use): they run once per forward, out of stack order.
-    weight_phases = PhaseScopedWeights(SynchronousBackend(device, read_ahead=None), phase_units,
+    weight_phases = PhaseScopedWeights(SynchronousBackend(device, read_ahead=None, platform=manager.backend.platform),
+                                       phase_units,
                                        {name: {n: recipes[n] for n in u} for name, u in phase_units.items()})
     return manager, weight_phases

@@ -19,7 +19,8 @@ Dequantisation is comfy-kitchen's eager (pure PyTorch) functions, and for GGUF o
 (`gguf_dequant`, checked bit for bit against gguf's NumPy `dequantize`, which still decodes the grid-based IQ types
 on the host); both packages are the optional `quant` extra, imported only when a quantised file is opened. A
 quantised parameter's host recipe holds the stored payloads (the quantised bytes) and dequantises them where it is
-materialised; `decodes_on_device` says whether a platform's device can do that (not fp8 payloads on MPS).
+materialised, or on the host where the device cannot (`HostTensor.placed_for`: fp8 payloads on MPS, gguf's NumPy
+types).
 """
 
 from __future__ import annotations
@@ -143,26 +144,11 @@ class QuantisedWeight:
 def _gguf_dequantise(q: QuantisedWeight, raw: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
     if gguf_dequant.torch_decodes(q.gguf_type):  # where the blocks are: no trip through the host
         return gguf_dequant.dequantize(raw, q.gguf_type).reshape(tuple(shape)).to(dtype)
-    # The grid-based IQ types only: gguf's NumPy code, so the blocks go through the host.
+    # The grid-based IQ types only: gguf's NumPy code, on the host (their recipes are decoded there: `host_only`).
     gguf = gguf_package(q.path, q.key)
     host = raw.detach().to("cpu").contiguous().numpy()
     values = gguf.quants.dequantize(host, gguf.GGMLQuantizationType(q.gguf_type))
     return torch.from_numpy(values).reshape(tuple(shape)).to(device=raw.device, dtype=dtype)
-
-
-# The dtypes a payload of each non-GGUF format is stored in on the device (GGUF payloads are uint8 blocks).
-_PAYLOAD_DTYPES = {"float8_e4m3fn": (torch.float8_e4m3fn,), "fp8_scaled": (torch.float8_e4m3fn,),
-                   "float8_e5m2": (torch.float8_e5m2,), "nvfp4": (torch.float8_e4m3fn,)}
-
-
-def decodes_on_device(q: QuantisedWeight, platform) -> bool:
-    """Whether `q`'s payloads can be moved to `platform`'s device as stored and dequantised there: not where the
-    device cannot hold a payload's dtype (fp8 weights or NVFP4 block scales on MPS), which must be dequantised on
-    the host and moved in the compute dtype; nor for the GGUF types only gguf's NumPy code decodes (on the device
-    they would go device -> host -> device)."""
-    if q.gguf_type is not None:
-        return gguf_dequant.torch_decodes(q.gguf_type)
-    return all(platform.holds(d) for d in _PAYLOAD_DTYPES.get(q.format, ()))
 
 
 _GGUF_SUPPORTED: dict[int, bool] = {}
@@ -455,4 +441,7 @@ def quantised_decoder(keys: Sequence[str], shapes: Sequence[Sequence[int]], quan
             parts.append(q.dequantise(chunk, dtype, shape) if q is not None else chunk[0].to(dtype))
         return combine(*parts) if combine is not None else parts[0]
 
+    # gguf's NumPy types decode on the host only: their payloads are never moved to the device (HostTensor.placed_for).
+    decode.host_only = any(q is not None and q.gguf_type is not None and not gguf_dequant.torch_decodes(q.gguf_type)
+                           for q, _, _ in plan)
     return tuple(payload_keys), decode

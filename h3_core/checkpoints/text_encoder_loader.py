@@ -32,6 +32,7 @@ from ..models.vision_tower import ImageProcessorConfig, VisionTowerConfig
 from ..runtime.chunking import check_chunk_size
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
+from ..runtime.platform import Platform
 from ..runtime.residency import Residency
 from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, WeightSpec, check_config_sizes,
                          compute_dtype, count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source,
@@ -440,7 +441,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     with closing(FileReader()) as reader:
         for spec in ckpt.specs:
             # A quantised weight's recipe holds its stored payloads and dequantises them where it is materialised.
-            recipe = ckpt.recipe(spec, lambda stored: dtype or main, tuple(spec.shapes[0]))
+            recipe = ckpt.recipe(spec, lambda stored: dtype or main, tuple(spec.shapes[0]), Platform.for_device(device))
             if layerwise and _offloaded(spec.name):
                 # The memory-mapped tensor is the host store; the cast to `dtype` happens when it is materialised.
                 recipes[spec.name] = recipe

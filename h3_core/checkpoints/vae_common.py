@@ -19,6 +19,7 @@ from ..json_values import is_positive_real, is_whole
 from ..models.meta_models import meta_model
 from ..runtime.file_reads import FileReader
 from ..runtime.host_store import HostTensor
+from ..runtime.platform import Platform
 from ..runtime.layerwise import LayerwiseOffloadManager
 from .checkpoint import QUANTISED_NEEDS_FORMAT, QUANTISED_NOT_SUPPORTED, Checkpoint, full_precision
 from .placement import attach_layerwise, residency_manager, set_tensor
@@ -154,7 +155,7 @@ def populate(model: nn.Module, ckpt: Checkpoint, device: torch.device, manager: 
     with closing(FileReader()) as reader:
         for spec in ckpt.specs:
             # Quantised layers (the video VAE's): stored payloads, dequantised into float32 where materialised.
-            recipe = ckpt.recipe(spec, lambda stored: torch.float32, shapes[spec.name])
+            recipe = ckpt.recipe(spec, lambda stored: torch.float32, shapes[spec.name], Platform.for_device(device))
             if manager is not None and spec.name in parameters and spec.name.startswith(prefixes):
                 recipes[spec.name] = recipe  # buffers (resampling filters) are never streamed
                 set_tensor(model, spec.name, torch.empty(0, dtype=torch.float32, device=device))

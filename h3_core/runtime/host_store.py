@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 
-from .file_reads import FileReader, read_private, segment_of
+from .file_reads import FileReader, read_private, segment_of, total_memory_bytes
 
 # Every tensor of a slab starts on this boundary: covers the 16/32-byte base-pointer contracts of fused kernels.
 SLAB_ALIGNMENT = 256
@@ -58,6 +58,10 @@ class HostTensor:
     # they are (never cast), and `decode(*payloads)` dequantises them where they are, into `dtype`. Stores lay the
     # payloads out (see `payload_layouts`), so streaming moves the quantised size.
     decode: Callable[..., torch.Tensor] | None = None
+    # A quantised parameter whose payloads are dequantised on the host and moved as materialised: the device cannot
+    # hold a payload's dtype (fp8 on MPS), or its decoder runs on the host only (`decode.host_only`: gguf's NumPy
+    # types), where moving the payloads would send them device -> host -> device. Set by `placed_for`.
+    decode_on_host: bool = False
 
     @classmethod
     def held(cls, tensor: torch.Tensor) -> "HostTensor":
@@ -73,12 +77,29 @@ class HostTensor:
     def source_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.sources)
 
+    @property
+    def moves_payloads(self) -> bool:
+        """Quantised and dequantised where it is materialised: stores lay out and move the stored payloads."""
+        return self.decode is not None and not self.decode_on_host
+
+    def decodes_on(self, platform) -> bool:
+        """Whether `platform`'s device can hold every payload's dtype and run the decoder."""
+        return not getattr(self.decode, "host_only", False) and all(platform.holds(s.dtype) for s in self.sources)
+
+    def placed_for(self, platform) -> "HostTensor":
+        """This recipe as `platform` runs it: a quantised one its device cannot decode is dequantised on the host."""
+        if not self.moves_payloads or self.decodes_on(platform):
+            return self
+        return replace(self, decode_on_host=True)
+
     def materialise(self, device: torch.device, reader: FileReader | None = None) -> torch.Tensor:
         """A fresh copy on `device` (never an alias of the host source, even when `device` is the CPU). With a
         `reader`, memory-mapped sources are read explicitly (`read_private`) instead of faulting the map's pages."""
         sources = self.sources if reader is None else tuple(read_private(s, reader) for s in self.sources)
-        if self.decode is not None:  # payloads to the device as stored, dequantised there
+        if self.moves_payloads:  # payloads to the device as stored, dequantised there
             return self.decode(*(s.to(device=device) for s in sources))
+        if self.decode is not None:  # dequantised on the host, moved in the compute dtype (`placed_for`)
+            return self.decode(*sources).to(device=device)
         if self.combine is None:
             return sources[0].to(device=device, dtype=self.dtype, copy=sources[0] is self.sources[0])
         # Copy the sources as stored, then combine on the device: the host side stays file-backed (no temporaries).
@@ -98,7 +119,7 @@ class HostTensor:
         """A resident weight on `device`, read into the process's own memory: a quantised one as its stored payloads,
         dequantised on the device; any other made on the host and moved."""
         if self.decode is not None:
-            return self.materialise(device, reader)
+            return self.materialise(device, reader)  # no private host copy of the dequantised weight
         return self.private_value(reader).to(device)
 
     def _made(self, sources: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -123,7 +144,7 @@ PAYLOAD_MARK = "#"
 def payload_layouts(name: str, recipe: HostTensor, stride=None) -> list[tuple[str, torch.dtype, tuple, tuple]]:
     """The (name, dtype, shape, stride) entries a unit layout holds for one parameter: the parameter itself as
     materialised, or, quantised, each stored payload as it is stored. `stride(shape)` gives a contiguous stride."""
-    if recipe.decode is None:
+    if not recipe.moves_payloads:
         return [(name, recipe.dtype, tuple(recipe.shape), stride(recipe.shape))]
     return [(f"{name}{PAYLOAD_MARK}{i}", s.dtype, tuple(s.shape), stride(tuple(s.shape)))
             for i, s in enumerate(recipe.sources)]
@@ -144,7 +165,7 @@ def decoded(views: dict[str, torch.Tensor], decoders: Mapping[str, Callable[...,
 
 def stored_bytes(recipes: UnitRecipes) -> int:
     """Bytes a unit moves host-to-device: each parameter as materialised, or, quantised, its payloads as stored."""
-    return sum(r.source_bytes if r.decode is not None else r.nbytes for r in recipes.values())
+    return sum(r.source_bytes if r.moves_payloads else r.nbytes for r in recipes.values())
 
 
 def source_bytes(units: Sequence[UnitRecipes]) -> int:
@@ -307,10 +328,7 @@ class PinBudget:
 
     @classmethod
     def default(cls) -> "PinBudget":
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (AttributeError, ValueError, OSError):  # pragma: no cover - non-POSIX
-            ram = 0
+        ram = total_memory_bytes() or 0  # Windows too (its os has no sysconf): else nothing would be pinned there
         return cls(int(ram * cls.DEFAULT_FRACTION))
 
     def try_reserve(self, nbytes: int) -> bool:
@@ -464,7 +482,7 @@ class PinnedSlab:
         self._names.append(list(recipes))
         self._decoders.append({})
         for name, recipe in recipes.items():
-            if recipe.decode is not None:  # quantised: the payloads as stored, dequantised on the device
+            if recipe.moves_payloads:  # quantised: the payloads as stored, dequantised on the device
                 self._decoders[-1][name] = recipe.decode
                 values.update((f"{name}{PAYLOAD_MARK}{i}", s) for i, s in enumerate(recipe.sources))
                 continue

@@ -109,7 +109,10 @@ class LayerwiseOffloadManager(BlockResidency):
                                 for name, p in unit.items()})
             restore_devices = [{name: p.device for name, p in unit.items()} for unit in params]
         else:
-            recipes = [dict(r) for r in recipes]
+            # Quantised weights the device cannot decode (fp8 on MPS) are dequantised on the host, and laid out
+            # and moved in the compute dtype.
+            platform = self.backend.platform
+            recipes = [{name: recipe.placed_for(platform) for name, recipe in r.items()} for r in recipes]
             if len(recipes) != len(params):
                 raise ResidencyError(f"got recipes for {len(recipes)} units but {len(params)} units to attach.")
             for i, (unit, unit_recipes) in enumerate(zip(params, recipes)):

@@ -92,7 +92,7 @@ class StagedReads:
             # Quantised parameters are laid out as their stored payloads: read, staged and copied at that size.
             self._layouts.append(plan_slab([entry for n, r in unit.items()
                                             for entry in payload_layouts(n, r, _contiguous_stride)]))
-        self._decoders = [{n: r.decode for n, r in unit.items() if r.decode is not None} for unit in self._recipes]
+        self._decoders = [{n: r.decode for n, r in unit.items() if r.moves_payloads} for unit in self._recipes]
         self._reader = FileReader()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="h3-unit-reader")
         # Asks the kernel for the pages of the unit being read and of the one after it (WILLNEED may block while it
@@ -259,7 +259,7 @@ class StagedReads:
         self._advise(unit)
         entries = {e.name: e for e in self._layouts[unit][0]}
         for name, recipe in self._recipes[unit].items():
-            if recipe.decode is not None:  # quantised payloads: the stored bytes straight into place
+            if recipe.moves_payloads:  # quantised payloads: the stored bytes straight into place
                 for i, source in enumerate(recipe.sources):
                     target = view_in(buffer, entries[f"{name}{PAYLOAD_MARK}{i}"])
                     segment = segment_of(source)
@@ -270,6 +270,9 @@ class StagedReads:
                 continue
             entry = entries[name]
             target = view_in(buffer, entry)
+            if recipe.decode is not None:  # dequantised here, on the host (`HostTensor.decode_on_host`)
+                target.copy_(recipe.decode(*self._read_sources(recipe)))
+                continue
             single = recipe.sources[0] if len(recipe.sources) == 1 else None
             segment = None if single is None else segment_of(single)
             if recipe.combine is None and segment is not None and single.dtype == recipe.dtype:
