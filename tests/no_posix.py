@@ -1,32 +1,40 @@
 """The no-POSIX mode (env H3_WITHOUT_POSIX=1): the test process looks like Windows' Python to h3_core.
 
-`apply()` removes `os.preadv`, `os.pread`, `os.posix_fadvise` and the `os.POSIX_FADV_*` constants, and makes
-`import resource` raise ImportError. It must run before h3_core is imported (modules pick their OS calls once at
-import). It proves no POSIX-only call is reached; it does not prove Windows paths, locking or signal delivery."""
+`apply()` removes `os.preadv`, `os.pread`, `os.posix_fadvise`, `os.sysconf` and the `os.POSIX_FADV_*` constants,
+and makes `import resource` raise ImportError in h3_core and the nodes. It must run before h3_core is imported
+(modules pick their OS calls once at import). It proves no POSIX-only call is reached; it does not prove Windows
+paths, locking or signal delivery."""
 
+import builtins
 import os
 import sys
 
-REMOVED = ("preadv", "pread", "posix_fadvise")
+REMOVED = ("preadv", "pread", "posix_fadvise", "sysconf")
 ENV = "H3_WITHOUT_POSIX"
 
 
-class _NoResource:
-    """A meta-path finder that refuses `resource`, as on Windows."""
+OURS = ("h3_core", "nodes", "__main__")
 
-    def find_spec(self, name, path=None, target=None):
-        if name == "resource":
+
+def _refusing_import(original):
+    """`import resource` from our code raises ImportError, as on Windows; the reference libraries the tests use as
+    oracles (transformers -> psutil, on Linux) still import it, and a module they loaded is still refused to us."""
+
+    def _import(name, globals=None, locals=None, fromlist=(), level=0):
+        if name == "resource" and level == 0 and str((globals or {}).get("__name__", "")).startswith(OURS):
             raise ImportError("No module named 'resource' (H3_WITHOUT_POSIX)", name=name)
-        return None
+        return original(name, globals, locals, fromlist, level)
+
+    _import.h3_without_posix = True
+    return _import
 
 
 def apply() -> None:
     for name in REMOVED + tuple(n for n in dir(os) if n.startswith("POSIX_FADV_")):
         if hasattr(os, name):
             delattr(os, name)
-    sys.modules.pop("resource", None)
-    if not any(isinstance(f, _NoResource) for f in sys.meta_path):
-        sys.meta_path.insert(0, _NoResource())
+    if not getattr(builtins.__import__, "h3_without_posix", False):
+        builtins.__import__ = _refusing_import(builtins.__import__)
 
 
 def enabled() -> bool:

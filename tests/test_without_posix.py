@@ -44,11 +44,14 @@ def test_layerwise_streamed_forward_without_posix_is_bitwise_resident():
 
 def test_mode_removes_posix_calls():
     code = ("import sys; sys.path.insert(0, %r); import no_posix; no_posix.apply(); import os\n"
-            "assert not any(hasattr(os, n) for n in ('preadv', 'pread', 'posix_fadvise', 'POSIX_FADV_WILLNEED'))\n"
+            "assert not any(hasattr(os, n) for n in ('preadv', 'pread', 'posix_fadvise', 'sysconf', "
+            "'POSIX_FADV_WILLNEED'))\n"
             "try:\n import resource\nexcept ImportError: pass\nelse: raise SystemExit('resource imported')\n"
             "from h3_core.runtime import file_reads\n"
             "assert file_reads._read_at is file_reads._seek_read_into\n"
-            "assert not file_reads._FADVISE\n" % str(TESTS))
+            "assert not file_reads._FADVISE\n"
+            "from h3_core.runtime.host_store import PinBudget\n"  # RAM known without sysconf: pinning stays on
+            "assert PinBudget.default().limit_bytes > 0\n" % str(TESTS))
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
 
