@@ -216,3 +216,44 @@ def test_closing_the_store_without_the_backend_synchronises_before_unpinning(tmp
     manager.store.close()
     fake.assert_no_races()
     manager.close()
+
+
+# ---- pinning once per load ------------------------------------------------------------------------------------------
+
+
+def test_the_pipeline_packs_a_kept_transformer_once_and_never_the_text_encoder(monkeypatch, tiny):
+    """On the simulated CUDA, the tiny pipeline with its transformer and text encoder streamed: the transformer (a
+    pass per step) packs its leading blocks into pinned slabs once per load, and a kept one is not packed again by
+    the next request; the text encoder (one pass per request) streams through its ring without packing."""
+    from h3_core.checkpoints import placement
+    from h3_core.pipeline.pipeline import H3Pipeline
+    from h3_core.runtime.staged_store import StagedReads
+    from h3_core.sources.model_sources import resolve_model
+
+    fake = FakeCuda()
+    real = placement.layerwise_manager
+    monkeypatch.setattr(placement, "layerwise_manager", lambda device, **kw: real(device, platform=fake.platform(),
+                                                                                  **kw))
+    packs = []
+    pack = StagedReads.pack_pinned
+
+    def counted(self, pack_units=True):
+        pack(self, pack_units)
+        packs.append((pack_units, len(self.slabs)))
+
+    monkeypatch.setattr(StagedReads, "pack_pinned", counted)
+    layerwise = {"residency": "layerwise"}
+    pipe = H3Pipeline(resolve_model(tiny), keep_transformer=True,
+                      component_options={"transformer": layerwise, "text_encoder": layerwise})
+    try:
+        first = pipe.generate("a fox", width=96, height=64, num_frames=5, steps=3, seed=1)
+        after_first = list(packs)
+        second = pipe.generate("a fox", width=96, height=64, num_frames=5, steps=3, seed=1)
+    finally:
+        pipe.release_all()
+    # per request: the text encoder's and the AdaLN units' stores (no slabs); once: the transformer's blocks
+    repeated = [p for p in after_first if p[0]]
+    assert repeated and all(slabs > 0 for _, slabs in repeated), after_first
+    assert [p for p in after_first if not p[0]] and all(slabs == 0 for unit, slabs in after_first if not unit)
+    assert [p for p in packs[len(after_first):] if p[0]] == [], packs  # the kept transformer: not packed again
+    assert torch.equal(first.frames, second.frames)
