@@ -16,9 +16,12 @@ host-to-device GB/s of one pinned slab. The parent prints the offloaded/resident
     python benchmarks/offload_cuda.py --device cuda --blocks 12 --pin-units 2 --latent-hw 64 --frames 8
     python benchmarks/offload_cuda.py --device cpu --widths tiny --blocks 3 --pin-units 1   # smoke test, seconds
 
-Helpers used by `gpu_first_run.py` and tests/test_residency_cuda.py: `streamed_dit` (load_dit's layerwise path with
-an explicit backend class, pin budget and page-locker, on any device: the CPU runs the asynchronous backend with
-inline streams) and `CountingPinner` (the page-locker of a dry run). Linux (RssAnon from /proc).
+Helpers used by `offload_checks.py` (`gpu_first_run.py`, tests/test_residency_cuda.py): `streamed_dit` (load_dit's
+layerwise path with an explicit backend class, pin budget and page-locker, on any device: the CPU runs the
+asynchronous backend with inline streams, `platform=` a simulated device), `constrained_budget` and `unit_bytes`.
+On the CPU the page-locker is a `CountingPinner` (it locks nothing), so the pin budget, the packing of slabs and the
+unpinning run as on CUDA. `gpu_first_run.py` runs this benchmark as its `released` section. Linux (RssAnon from
+/proc).
 """
 
 from __future__ import annotations
