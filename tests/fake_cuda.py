@@ -98,15 +98,21 @@ class FakePinner:
 
     def __init__(self, fake: "FakeCuda"):
         self.fake = fake
+        self.pinned: set[int] = set()  # storage data_ptr of every buffer registered and not unregistered
 
     def register(self, buffer: torch.Tensor) -> bool:
         self.fake.track(buffer, "pinned host buffer")
+        self.pinned.add(buffer.untyped_storage().data_ptr())
         return True
 
     def unregister(self, buffer: torch.Tensor) -> bool:
         with self.fake.lock:
             # Unpinning is a host write as far as a DMA reading the pages is concerned.
             self.fake.access(HOST, buffer, write=True, what="unpin")
+            # Then the pages are no longer a pinned buffer's: memory allocated later at the same address (an
+            # activation, a pageable buffer) must not inherit this buffer's history (a false race).
+            self.fake.buffers.pop(buffer.untyped_storage().data_ptr(), None)
+            self.pinned.discard(buffer.untyped_storage().data_ptr())
         return True
 
 
