@@ -452,8 +452,12 @@ def unload_frees_and_reloads(server: str, example: dict, pid: int) -> bool:
     example = json.loads(json.dumps(example))
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
+    encoder = next(k for k, v in example.items() if v["class_type"] == "H3StreamEncodePrompt")
+    text = example[encoder]["inputs"]["prompt"]
     ok = True
     for flags in ({"unload_models": True}, {"unload_models": True, "free_memory": True}):
+        # A prompt text of its own: every node runs, so every kept component is loaded before the unload.
+        example[encoder]["inputs"]["prompt"] = f"{text} ({uuid.uuid4().hex[:8]})"
         example[sampler]["inputs"]["seed"] = int(time.time() * 1000) % 2**32
         queued = call(f"{server}/prompt", {"prompt": example, "client_id": str(uuid.uuid4())})
         history = wait_for(server, queued["prompt_id"])
