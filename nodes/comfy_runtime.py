@@ -5,7 +5,7 @@ websocket messages and its AV latent container. The only module of the pack that
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import weakref
 
 import torch
 
@@ -52,23 +52,259 @@ def free_bytes(device: torch.device) -> int:
     return int(model_management.get_free_memory(device))
 
 
-def files_bytes(path) -> int:
-    """Bytes of the safetensors files of one component (a single file or a folder)."""
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.rglob("*.safetensors"))
-    return 0
-
-
-def free_memory_for(paths_by_component: dict, settings, device: torch.device) -> None:
-    """Ask ComfyUI to unload its own models until the resident components of the next phase fit.
-
-    Offloaded components keep their blocks in host memory, so only resident ones are counted."""
-    required = sum(files_bytes(path) for name, path in paths_by_component.items() if not settings.offloaded(name))
+def free_memory_for(handle, phases, plan) -> None:
+    """Before a node runs `phases` (names of `plan`'s phases, one after the other): ask ComfyUI to unload its own
+    models until what those phases really allocate on the device fits (the pipeline's `room_needed`: weights on
+    the device, slots, the AdaLN slot, activations, from the request's memory plan), keeping the H3 components the
+    phases run."""
+    pipeline = handle.pipeline
+    required = pipeline.room_needed(plan, phases)
     if required > 0:
-        model_management.free_memory(required, device)
+        runs = dict(pipeline.PHASES + pipeline.REFERENCE_PHASES)
+        keep = _registry(pipeline).entries(runs[name] for name in phases)
+        model_management.free_memory(required, comfy_device(pipeline.device), keep_loaded=keep)
+
+
+def comfy_device(device: torch.device) -> torch.device:
+    """`device` as ComfyUI's model management names it (`cuda` is ComfyUI's `cuda:0` when that is its device), so
+    that its per-device unloads find the H3 components."""
+    from h3_core.runtime.platform import Platform
+
+    from h3_core.errors import H3Error
+
+    device = torch.device(device)
+    own = torch.device(model_management.get_torch_device())
+    try:
+        same_kind = Platform.for_device(own).is_kind_of(device)
+    except H3Error:  # ComfyUI computes on a device h3-stream does not run on (xpu, npu, ...)
+        same_kind = False
+    return own if device.index is None and same_kind else device
+
+
+# ---- the H3 components in ComfyUI's model management -----------------------------------------------------------
+
+
+class H3ComponentPatcher:
+    """What ComfyUI's model management reads from a loaded model (`LoadedModel.model`, normally a ModelPatcher), for
+    one H3 component of one pipeline. It holds the pipeline weakly: a model handle ComfyUI's cache drops is freed.
+    `model` is the component while it is loaded (None after)."""
+
+    parent = None  # no clone hierarchy
+    is_multigpu_base_clone = False
+
+    def __init__(self, pipeline, name: str, device: torch.device):
+        import uuid
+
+        self._pipeline = weakref.ref(pipeline)
+        self.name = name
+        self.load_device = device
+        self.offload_device = torch.device("cpu")
+        self.clone_base_uuid = uuid.uuid4()
+
+    @property
+    def pipeline(self):
+        return self._pipeline()
+
+    @property
+    def model(self):
+        pipeline = self._pipeline()
+        return None if pipeline is None else pipeline.loaded_component(self.name)
+
+    def is_dynamic(self) -> bool:
+        return False  # ComfyUI's dynamic (aimdo) weight loading is not ours: never asked to evict pins one by one
+
+    def is_clone(self, other) -> bool:
+        return other is self
+
+    def model_patches_models(self) -> list:
+        return []
+
+    def __repr__(self) -> str:
+        return f"H3 {self.name} on {self.load_device}"
+
+
+class H3LoadedComponent:
+    """One loaded H3 component as an entry of ComfyUI's `current_loaded_models`: the calls ComfyUI's `free_memory`,
+    `unload_all_models`, `cleanup_models` and `loaded_models` make on a `LoadedModel`. Its size is what the
+    component holds on ComfyUI's device (for a CPU run, host memory), measured when it loads and after each phase;
+    unloading it releases the component in the pipeline (weights, slots, host stores, pinned buffers), which loads
+    it again when a node next needs it. Never `currently_used`: ComfyUI's own loaders never reload it."""
+
+    def __init__(self, patcher: H3ComponentPatcher, nbytes: int):
+        self._patcher = patcher
+        self.device = patcher.load_device
+        self.nbytes = int(nbytes)
+        self.currently_used = False
+        self.model_finalizer = None
+        self.unloading = False
+
+    @property
+    def model(self) -> H3ComponentPatcher:
+        return self._patcher
+
+    def real_model(self):
+        """The pipeline (None once it is gone: ComfyUI's `cleanup_models` then drops the entry)."""
+        return self._patcher.pipeline
+
+    def model_memory(self) -> int:
+        return self.nbytes
+
+    def model_loaded_memory(self) -> int:
+        return self.nbytes
+
+    def model_offloaded_memory(self) -> int:
+        return 0
+
+    def model_memory_required(self, device) -> int:
+        return 0 if device == self.device else self.nbytes
+
+    def model_load(self, lowvram_model_memory=0, force_patch_weights=False):
+        return self._patcher.model  # never partially loaded: the pipeline loads it when a node needs it
+
+    def model_use_more_vram(self, extra_memory, force_patch_weights=False) -> int:
+        return 0
+
+    def should_reload_model(self, force_patch_weights=False) -> bool:
+        return False
+
+    def model_unload(self, memory_to_free=None, unpatch_weights=True) -> bool:
+        """Release the whole component (partial unloads are not offered); True when it is gone, False when its
+        pipeline is running on another thread (ComfyUI then keeps the entry)."""
+        pipeline = self._patcher.pipeline
+        if pipeline is None:
+            return True
+        self.unloading = True  # ComfyUI pops this entry itself when True is returned
+        try:
+            released = pipeline.try_release(self._patcher.name)
+        finally:
+            self.unloading = False
+        if released:
+            from h3_core.runtime.platform import Platform
+
+            Platform.for_device(pipeline.device).trim_host_heap()  # CPU: the freed weights go back to the system
+            log.info("h3-stream: ComfyUI unloaded %s (%.1f MiB)", self._patcher, self.nbytes / 2**20)
+        return released
+
+    def is_dead(self) -> bool:
+        return False
+
+    def __eq__(self, other) -> bool:
+        return other is self
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"<H3LoadedComponent {self._patcher}, {self.nbytes / 2**20:.1f} MiB>"
+
+
+class _Registry:
+    """The entries of one pipeline's loaded components in ComfyUI's `current_loaded_models`, following the pipeline
+    (its load / release listener): added when a component loads, removed when the pipeline releases it (or when
+    ComfyUI unloads it, by ComfyUI), dropped with the pipeline."""
+
+    def __init__(self, pipeline):
+        self.device = comfy_device(pipeline.device)
+        self._pipeline = weakref.ref(pipeline)
+        self._entries: dict[str, H3LoadedComponent] = {}
+        pipeline.add_listener(self._changed)
+        weakref.finalize(pipeline, _forget_entries, self._entries).atexit = False
+
+    def _changed(self, name: str, loaded: bool) -> None:
+        pipeline = self._pipeline()
+        if loaded and pipeline is not None:
+            entry = H3LoadedComponent(H3ComponentPatcher(pipeline, name, self.device), self._bytes(pipeline, name))
+            self._entries[name] = entry
+            model_management.current_loaded_models.insert(0, entry)
+            return
+        entry = self._entries.pop(name, None)
+        if entry is not None and not entry.unloading:
+            _remove(entry)
+
+    @staticmethod
+    def _bytes(pipeline, name: str) -> int:
+        """What the component holds on ComfyUI's device (the CPU: all of it, host memory is the device's)."""
+        held = pipeline.held_memory(name)
+        return 0 if held is None else held.device_bytes
+
+    def refresh(self) -> None:
+        """Measure the loaded components again (after a phase: slots and rings are allocated during the first
+        pass)."""
+        pipeline = self._pipeline()
+        if pipeline is None:
+            return
+        for name, entry in list(self._entries.items()):
+            entry.nbytes = self._bytes(pipeline, name)
+
+    def entries(self, names=None) -> list[H3LoadedComponent]:
+        wanted = set(self._entries) if names is None else set(names)
+        return [entry for name, entry in self._entries.items() if name in wanted]
+
+
+def _remove(entry) -> None:
+    loaded = model_management.current_loaded_models
+    for i in range(len(loaded) - 1, -1, -1):
+        if loaded[i] is entry:
+            loaded.pop(i)
+
+
+def _forget_entries(entries: dict) -> None:
+    for entry in list(entries.values()):
+        _remove(entry)
+    entries.clear()
+
+
+_REGISTRIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _registry(pipeline) -> _Registry:
+    registry = _REGISTRIES.get(pipeline)
+    if registry is None:
+        registry = _REGISTRIES[pipeline] = _Registry(pipeline)
+    return registry
+
+
+def register_pipeline(pipeline) -> None:
+    """Make ComfyUI's model management know the pipeline's components (see `H3LoadedComponent`) and share the
+    process's pin budget with ComfyUI's pinned memory. Idempotent."""
+    _registry(pipeline)
+    share_pin_budget()
+
+
+def refresh_registered(pipeline) -> None:
+    _registry(pipeline).refresh()
+
+
+def registered(pipeline) -> list:
+    """The pipeline's entries in ComfyUI's model management now (for reports and tests)."""
+    return _registry(pipeline).entries()
+
+
+class ComfyPinLedger:
+    """ComfyUI's pinned-memory ledger as h3_core's `PinLedger`: its limit (`MAX_PINNED_MEMORY`, <= 0 when pinned
+    memory is off: `--disable-pinned-memory`, or a device ComfyUI does not pin for) and its count of pinned bytes
+    (`TOTAL_PINNED_MEMORY`), to which the pack's own pins are added, so that ComfyUI's pins and ours stay within
+    ComfyUI's one limit and each side sees the other's."""
+
+    def limit_bytes(self) -> int:
+        return int(getattr(model_management, "MAX_PINNED_MEMORY", 0))
+
+    def pinned_bytes(self) -> int:
+        return int(getattr(model_management, "TOTAL_PINNED_MEMORY", 0))
+
+    def add(self, nbytes: int) -> None:
+        model_management.TOTAL_PINNED_MEMORY = max(0, self.pinned_bytes() + int(nbytes))
+
+
+def share_pin_budget() -> None:
+    """h3_core's one pin budget (40 % of RAM) also within ComfyUI's pinned-memory limit, counted in ComfyUI's total
+    (only where this ComfyUI keeps such a ledger)."""
+    from h3_core.runtime.host_store import PinBudget
+
+    if not hasattr(model_management, "TOTAL_PINNED_MEMORY") or not hasattr(model_management, "MAX_PINNED_MEMORY"):
+        return
+    budget = PinBudget.shared()
+    if not isinstance(budget.ledger, ComfyPinLedger):
+        budget.share_with(ComfyPinLedger())
 
 
 def av_latent(video: torch.Tensor, audio: torch.Tensor) -> dict:

@@ -28,6 +28,8 @@ class H3StreamDecodeAudio(io.ComfyNode):
         from h3_core.request.grid import AUDIO_SAMPLE_RATE
 
         pipeline = h3_model.pipeline
-        with phase(cls.hidden.unique_id, h3_model, "audio decode", {"audio_vae": pipeline.sources.audio_vae}):
+        shape = h3_latent.shape
+        plan = pipeline.plan(width=shape.width, height=shape.height, num_frames=shape.num_frames)
+        with phase(cls.hidden.unique_id, h3_model, "audio decode", ("audio decode",), plan):
             waveform = pipeline.decode_audio(h3_latent, check_interrupt=comfy_runtime.check_interrupt)
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

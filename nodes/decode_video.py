@@ -28,6 +28,8 @@ class H3StreamDecodeVideo(io.ComfyNode):
         from h3_core.request.grid import FPS
 
         pipeline = h3_model.pipeline
-        with phase(cls.hidden.unique_id, h3_model, "video decode", {"video_vae": pipeline.sources.video_vae}):
+        shape = h3_latent.shape
+        plan = pipeline.plan(width=shape.width, height=shape.height, num_frames=shape.num_frames)
+        with phase(cls.hidden.unique_id, h3_model, "video decode", ("video decode",), plan):
             frames = pipeline.decode_video(h3_latent, check_interrupt=comfy_runtime.check_interrupt)
         return io.NodeOutput(frames, float(FPS))

@@ -79,8 +79,12 @@ def sample(node_id, h3_model, cond, request, chunk_size) -> io.NodeOutput:
     memory_budget = None
     if settings.profile_budget_bytes is not None and chunk_size == 0:
         memory_budget = request_chunk_budget(h3_model, cond, request, node_id=node_id)
+    # What the phases allocate, planned as they run: the profile's row chunks, or the widget's chunk size.
+    plan = pipeline.plan_request(request, cond, chunk_size=chunk_size if chunk_size > 0 else None,
+                                 budget_bytes=settings.profile_budget_bytes if memory_budget is not None else None)
     calls = max(1, request.steps - 1)
-    with phase(node_id, h3_model, "sampling", pipeline.sampling_sources(cond), blocks_of="transformer") as report:
+    with phase(node_id, h3_model, "sampling", pipeline.sampling_phases(cond), plan,
+               blocks_of="transformer") as report:
         bar = comfy_runtime.progress_bar(calls, node_id=node_id)
         latents = pipeline.sample(cond, request, progress=lambda step, total: bar.update_absolute(step, total),
                                   check_interrupt=comfy_runtime.check_interrupt,

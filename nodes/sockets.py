@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from comfy_api.latest import io
 
+from . import comfy_runtime
 from .memory_settings import MemorySettings
 
 H3Model = io.Custom("H3_MODEL")
@@ -49,6 +50,7 @@ class H3ModelHandle:
 
         pipeline = H3Pipeline(sources, device=device, dtype=settings.torch_dtype,
                               component_options=settings.component_options(), **settings.keep_options(), log=log)
+        comfy_runtime.register_pipeline(pipeline)  # "Unload models" and other nodes' free_memory evict it
         described = f"{what}: {settings.describe()}"
         log(described)
         return cls(pipeline, settings, described)

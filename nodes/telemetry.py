@@ -66,15 +66,19 @@ def memory_report(node_id, handle, phase: str, *, blocks_of: str | None = None):
 
 
 @contextlib.contextmanager
-def phase(node_id, handle, name: str, needs: dict, *, blocks_of: str | None = None):
-    """One pipeline phase as a node runs it: room made in ComfyUI's model management for the components it loads
-    (`needs`: name -> files), a cancel seen before it starts, its memory report sent when it ends (the body's dict
-    adds to it: see `memory_report`), the device cache emptied after it."""
+def phase(node_id, handle, name: str, phases, plan, *, blocks_of: str | None = None):
+    """One node's run of pipeline phases (`phases`, names of the request's memory `plan`): room made in ComfyUI's
+    model management for what they allocate, a cancel seen before they start, the memory report sent when they end
+    (the body's dict adds to it: see `memory_report`), the loaded components' sizes in ComfyUI's model management
+    measured again, the device cache emptied after."""
     pipeline = handle.pipeline
-    comfy_runtime.free_memory_for(needs, handle.settings, pipeline.device)
-    with memory_report(node_id, handle, name, blocks_of=blocks_of) as extra:
-        comfy_runtime.check_interrupt()
-        yield extra
+    comfy_runtime.free_memory_for(handle, phases, plan)
+    try:
+        with memory_report(node_id, handle, name, blocks_of=blocks_of) as extra:
+            comfy_runtime.check_interrupt()
+            yield extra
+    finally:
+        comfy_runtime.refresh_registered(pipeline)
     comfy_runtime.soft_empty_cache()
 
 

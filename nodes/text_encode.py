@@ -93,6 +93,6 @@ def encode(node_id, h3_model, **request) -> io.NodeOutput:
 
     request = GenerationRequest(**request)
     pipeline = h3_model.pipeline
-    with phase(node_id, h3_model, "text encoder", {"text_encoder": pipeline.sources.text_encoder}):
+    with phase(node_id, h3_model, "text encoder", ("text encode",), pipeline.plan_request(request)):
         conditioning = pipeline.encode_prompt(request, check_interrupt=comfy_runtime.check_interrupt)
     return io.NodeOutput(conditioning)

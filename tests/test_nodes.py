@@ -73,9 +73,13 @@ def encode(pack, handle, prompt="A fox in the snow.", **extra):
 
 def test_double_shares_the_recorded_comfyui_signatures(pack):
     recorded = json.loads((CONTRACT / "signatures.json").read_text())
+    entry = comfy_double.pack_module("nodes.comfy_runtime").H3LoadedComponent
     for name, parameters in recorded["callables"].items():
         module, dotted = name.split(":")
-        assert describe(resolve(module, dotted)) == parameters, name
+        if dotted.startswith("LoadedModel."):  # ComfyUI calls these on the pack's own entries of its registry
+            assert describe(getattr(entry, dotted.split(".")[1])) == parameters, name
+        else:
+            assert describe(resolve(module, dotted)) == parameters, name
     values = recorded["values"]
     import comfy.model_management
     import folder_paths
@@ -83,6 +87,8 @@ def test_double_shares_the_recorded_comfyui_signatures(pack):
 
     assert [c.__name__ for c in comfy.model_management.InterruptProcessingException.__mro__] == \
         values["comfy.model_management:InterruptProcessingException"]
+    for name in ("current_loaded_models", "TOTAL_PINNED_MEMORY", "MAX_PINNED_MEMORY"):
+        assert type(getattr(comfy.model_management, name)).__name__ == values[f"comfy.model_management:{name}"]
     assert {m.name: m.value for m in io.Hidden} == values["comfy_api.latest._io:Hidden"]
     assert type(folder_paths.models_dir).__name__ == values["folder_paths:models_dir"]
 
@@ -328,10 +334,11 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
     assert all(b["peak_host_bytes"] > 0 for b in badges)
     texts = [data for event, data, _ in recorders["messages"] if event == "progress_text"]
     assert [t["node"] for t in texts] == ["2", "3", "4", "5"] and "0/2 blocks resident" in texts[1]["text"]
-    # Model management: the device cache is emptied after every phase; ComfyUI frees room for resident VAEs.
+    # Model management: the device cache is emptied after every phase; ComfyUI is asked to free room before each
+    # node's phases, the streamed ones included (what each allocates: tests/test_model_management.py).
     assert recorders["mm"].soft_empty_cache_calls == 4
     freed = [size for size, _ in recorders["mm"].free_memory_calls]
-    assert freed == [handle.pipeline.sources.video_vae.stat().st_size, handle.pipeline.sources.audio_vae.stat().st_size]
+    assert len(freed) == 4 and all(size > 0 for size in freed)
 
 
 def test_decode_nodes_name_a_corrupt_vae_tensor(pack):

@@ -102,3 +102,50 @@ def test_a_dropped_store_whose_unpin_raises_warns_instead_of_swallowing_it():
     with pytest.warns(PinWarning, match="could not unpin its slabs: RuntimeError\\('CUDA driver shutting down'\\)"):
         del store
         gc.collect()
+
+
+class HostLedger:
+    """A host application's pinned-memory ledger (ComfyUI's `MAX_PINNED_MEMORY` / `TOTAL_PINNED_MEMORY`)."""
+
+    def __init__(self, limit, pinned):
+        self.limit, self.pinned = limit, pinned
+
+    def limit_bytes(self):
+        return self.limit
+
+    def pinned_bytes(self):
+        return self.pinned
+
+    def add(self, nbytes):
+        self.pinned += nbytes
+
+
+def test_a_budget_shared_with_a_host_ledger_pins_within_its_room_and_reports_every_pin(fake_cudart):
+    """The host's own pins (1 MiB) and ours stay within its limit, however large our own budget; the host sees every
+    pin of ours, and a closed store gives them all back."""
+    fake_cudart()
+    ledger = HostLedger(limit=(1 << 20) + int(2.5 * 4096), pinned=1 << 20)
+    budget = PinBudget(1 << 30)
+    budget.share_with(ledger)
+    assert budget.limit_bytes == int(2.5 * 4096)  # the host's room, not our own limit
+    store = PinnedSlab(slab_recipes(3), budget=budget, pinner=CudaHostPinner())
+    assert store.pinned_bytes == budget.used_bytes == 2 * 4096  # the third unit stays pageable
+    assert ledger.pinned == (1 << 20) + 2 * 4096
+    store.close()
+    assert budget.used_bytes == 0 and ledger.pinned == 1 << 20
+    budget.share_with(None)  # on its own again: its own limit
+    assert budget.limit_bytes == 1 << 30
+
+
+def test_sharing_moves_what_is_reserved_onto_the_ledger():
+    budget = PinBudget(1 << 20)
+    assert budget.try_reserve(4096)
+    ledger = HostLedger(limit=1 << 30, pinned=0)
+    budget.share_with(ledger)
+    assert ledger.pinned == 4096
+    budget.share_with(None)
+    assert ledger.pinned == 0 and budget.used_bytes == 4096
+    ledger.limit = 0  # a host that pins nothing (ComfyUI's --disable-pinned-memory): no pin of ours either
+    budget.give_back(4096)
+    budget.share_with(ledger)
+    assert budget.limit_bytes == 0 and not budget.try_reserve(1)

@@ -128,6 +128,69 @@ def test_phases_release_at_their_start_and_log_it(sources, census):
     pipe.release_all()
 
 
+def test_listeners_follow_every_load_and_release_and_held_memory_measures_them(sources, census):
+    """A host application's registry (ComfyUI's model management) follows the pipeline through its listener, and
+    `held_memory` says what each loaded component holds: a resident one its weights, a streamed one less."""
+    import threading
+
+    pipe = H3Pipeline(sources, component_options={"transformer": {"residency": "layerwise"}}, keep_audio_vae=True)
+    events = []
+    pipe.add_listener(lambda name, loaded: events.append((name, loaded, pipe.held_memory(name))))
+    pipe.generate("a fox", **REQUEST)
+    assert [(name, loaded) for name, loaded, _ in events] == [
+        ("text_encoder", True), ("text_encoder", False), ("transformer", True), ("transformer", False),
+        ("video_vae", True), ("video_vae", False), ("audio_vae", True)]
+    assert all((held is not None) == loaded for _, loaded, held in events)
+    audio = pipe.loaded_component("audio_vae")
+    assert pipe.held_memory("audio_vae").device_bytes == sum(
+        t.untyped_storage().nbytes() for t in (*audio.parameters(), *audio.buffers()))
+    del audio
+    streamed = next(held for name, loaded, held in events if name == "transformer" and loaded)
+    assert 0 < streamed.device_bytes < pipe.plan(width=64, height=64, num_frames=5).components[1].total_bytes
+    assert pipe.held_memory("transformer") is None and pipe.loaded_component("transformer") is None
+
+    # Another thread's call holds the pipeline: a host's unload does not wait for it, and releases nothing.
+    inside, leave = threading.Event(), threading.Event()
+
+    def busy():
+        with pipe._lock:
+            inside.set()
+            leave.wait(10)
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    inside.wait(10)
+    assert pipe.try_release("audio_vae") is False and pipe.loaded == ("audio_vae",)
+    leave.set()
+    worker.join(10)
+    assert pipe.try_release("audio_vae") is True and pipe.loaded == () and census.live() == set()
+    assert events[-1][:2] == ("audio_vae", False)
+
+
+def test_room_needed_is_a_phases_own_allocation_less_what_is_loaded(sources):
+    """What a host must free before a phase: its component's items of the plan (streamed: weights outside the
+    stack, slots, the AdaLN slot, activations), less what that component holds if loaded and what the phase
+    releases."""
+    pipe = H3Pipeline(sources, component_options={"transformer": {"residency": "layerwise"}}, keep_video_vae=True)
+    plan = pipe.plan(width=64, height=64, num_frames=5, steps=3)
+    sampling = plan.phase("sampling")
+    own = max(sum(i.nbytes for i in sampling.items if not i.kept and i.during in (None, part))
+              for part in sampling.parts)
+    assert pipe.room_needed(plan, ["sampling"]) == own > 0
+    assert {"slots", "AdaLN slots", "activations", "weights"} <= {i.what for i in sampling.items if not i.kept}
+    pipe.component("video_vae")  # kept: already allocated, neither asked for nor subtracted
+    assert pipe.room_needed(plan, ["sampling"]) == own
+    pipe.component("transformer")
+    held = pipe.held_memory("transformer").device_bytes
+    assert pipe.room_needed(plan, ["sampling"]) == own - held
+    decode = plan.phase("video decode")
+    assert pipe.room_needed(plan, ["video decode"]) == sum(
+        i.nbytes for i in decode.items if not i.kept) - held - pipe.held_memory("video_vae").device_bytes
+    assert pipe.room_needed(plan, ["sampling", "video decode"]) == max(
+        own - held, pipe.room_needed(plan, ["video decode"]))
+    pipe.release_all()
+
+
 # ---- the plan: per-phase sums ---------------------------------------------------------------------------------------
 
 

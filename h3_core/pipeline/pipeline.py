@@ -33,7 +33,9 @@ from ..request.grid import LatentShape, audio_samples_for_frames
 from ..request.keyframes import pil_to_frames, prepare_keyframes
 from ..request.references import ReferenceRequest, sample_video_for_text_encoder
 from ..runtime.chunking import ChunkingPolicy
+from ..runtime.held_memory import HeldMemory, held_memory
 from ..runtime.platform import Platform, device_problem
+from ..runtime.residency import Residency
 from ..sources.model_sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
                                      transformer_partition)
 from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
@@ -166,6 +168,7 @@ class H3Pipeline:
         self.keep_audio_vae = keep_audio_vae
         self.log = log or (lambda message: None)
         self._loaded: dict[str, object] = {}
+        self._listeners: list[Callable[[str, bool], None]] = []
         # One call at a time: two threads generating on one pipeline would drive the same residency managers.
         self._lock = threading.RLock()
 
@@ -191,11 +194,13 @@ class H3Pipeline:
             raise H3Error(f"unknown component {name!r}; use one of {self.COMPONENTS}.")
         self.log(f"loaded {name} in {time.perf_counter() - started:.1f} s")
         self._loaded[name] = loaded
+        self._tell(name, True)
         return loaded
 
     @serialised
     def release(self, name: str) -> None:
-        """Drop a component (its memory maps and device copies go with it)."""
+        """Drop a component (its memory maps, device copies, slots and pinned host buffers go with it); the next
+        phase that runs it loads it again from its files."""
         component = self._loaded.pop(name, None)
         if component is not None:
             close = getattr(component, "close", None)
@@ -203,11 +208,27 @@ class H3Pipeline:
                 close(restore=False)  # dropped: giving streamed weights back would only copy them to host memory
             del component
             gc.collect()
+            self._tell(name, False)
 
     @serialised
     def release_all(self) -> None:
         for name in list(self._loaded):
             self.release(name)
+
+    def try_release(self, name: str) -> bool:
+        """`release(name)` unless another thread is running a call of this pipeline (False then: nothing released),
+        for a host application that frees memory from a thread of its own and must not wait for a whole phase."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self.release(name)
+            return True
+        finally:
+            self._lock.release()
+
+    def loaded_component(self, name: str):
+        """The component if it is loaded now, else None (nothing is loaded here)."""
+        return self._loaded.get(name)
 
     @property
     def loaded(self) -> tuple[str, ...]:
@@ -248,6 +269,84 @@ class H3Pipeline:
             summary = replace(summary, lora_files=len(fold.loras), lora_bytes_moved=fold.factor_bytes_moved,
                               lora_fold_peak_bytes=fold.peak_temporary_bytes(dtype))
         return summary
+
+    def add_listener(self, listener: Callable[[str, bool], None]) -> None:
+        """`listener(name, loaded)` is called after a component is loaded (True) and after it is released (False),
+        under the pipeline's lock: a host application's registry of loaded models follows the pipeline with it."""
+        self._listeners.append(listener)
+
+    def _tell(self, name: str, loaded: bool) -> None:
+        for listener in list(self._listeners):
+            listener(name, loaded)
+
+    @serialised
+    def held_memory(self, name: str) -> HeldMemory | None:
+        """What the loaded component holds in memory now, on the device and on the host besides
+        (`runtime.held_memory`); None when it is not loaded."""
+        if name not in self.COMPONENTS:
+            raise H3Error(f"unknown component {name!r}; use one of {self.COMPONENTS}.")
+        component = self._loaded.get(name)
+        return None if component is None else held_memory(component, self.device)
+
+    def residencies(self) -> dict[str, str]:
+        """Each component's residency as the pipeline loads it (`settings.RESIDENT` / `settings.LAYERWISE`)."""
+        return {name: Residency.parse(self.component_options.get(name, {}).get("residency", Residency.RESIDENT)).value
+                for name in self.COMPONENTS}
+
+    def plan(self, *, width: int, height: int, num_frames: int, steps: int | None = None, loras=(),
+             step_cache: bool = False, keyframes: bool = False, references=None, chunk_size: int | None = None,
+             budget_bytes: int | None = None):
+        """The memory plan of a request as this pipeline runs it (its device, dtype, residencies, kept components,
+        the transformer's chunk size unless `chunk_size` is given): what each phase holds (`MemoryPlan.phase`).
+        Within `budget_bytes` (None: unbounded, so nothing is refused and the transformer is planned fused unless
+        it has a chunk size; a budget plans its row chunks as `plan_for_budget` does)."""
+        from ..planning.memory_plan import MAX_MEMORY_BUDGET_GIB
+        from ..planning.phase_plans import DEFAULT_STEPS, plan_for_budget
+
+        if chunk_size is None:
+            chunk_size = self.component_options.get("transformer", {}).get("chunk_size")
+        return plan_for_budget(
+            self.sources, device=self.device, budget_bytes=budget_bytes or MAX_MEMORY_BUDGET_GIB * 2**30,
+            width=width, height=height, num_frames=num_frames, dtype=self.dtype, chunk_size=chunk_size,
+            loras=loras or (), keep=tuple(name for name in self.COMPONENTS if name in self.kept),
+            keyframes=keyframes, steps=steps or DEFAULT_STEPS, residency=self.residencies(), references=references,
+            step_cache=step_cache)
+
+    def plan_request(self, request: GenerationRequest, cond: Conditioning | None = None, *,
+                     chunk_size: int | None = None, budget_bytes: int | None = None):
+        """`plan` of a request: its keyframes and references from `cond` when it was encoded (as `sample` uses
+        them), else from the request itself."""
+        if cond is not None:
+            keyframes, references = bool(cond.keyframes), cond.references
+        else:
+            keyframes = bool(request.keyframe_images)
+            references = request.normalised_references(canvas_rules(self.sources))
+        return self.plan(width=request.width, height=request.height, num_frames=request.num_frames,
+                         steps=request.steps, loras=request.loras, step_cache=request.step_cache is not None,
+                         keyframes=keyframes, references=references, chunk_size=chunk_size, budget_bytes=budget_bytes)
+
+    @serialised
+    def room_needed(self, plan, phases) -> int:
+        """Bytes a host application's model management must have free on the device before `phases` (names of
+        `plan`'s phases, run one after the other) start: the largest over them of what the phase allocates for
+        its own component at its largest part (weights, slots, the AdaLN slot, phase-scoped weights, activations;
+        on a device that is the host (the CPU) or shares its memory, its host stores and staging too), less what
+        that component already holds if it is loaded, less what the loaded components the phase releases hold now.
+        Idle kept components are already allocated, so they are not counted."""
+        runs = dict(self.PHASES + self.REFERENCE_PHASES)
+        needed = 0
+        for name in phases:
+            estimate = plan.phase(name)
+            own = max(sum(i.nbytes for i in estimate.items if not i.kept and (i.during is None or i.during == part)
+                          and (plan.shared_memory or not i.on_host)) for part in estimate.parts)
+            component = runs[name]
+            freed = [other for other in self.loaded if other == component
+                     or (other not in self.kept and other != component)]
+            for other in freed:
+                held = self.held_memory(other)
+                own -= held.total_bytes if plan.shared_memory else held.device_bytes
+            needed = max(needed, own)
+        return needed
 
     # -- phases --------------------------------------------------------------------------------------------------
 
@@ -370,17 +469,16 @@ class H3Pipeline:
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape, result.step_cache)
 
-    def sampling_sources(self, cond: Conditioning) -> dict:
-        """The components `sample(cond)` loads, by name, with their files (what a host application makes room for):
-        the transformer, the video VAE that encodes keyframes and image / video references, the audio VAE that
-        encodes reference audio."""
-        sources = {"transformer": self.sources.transformer}
+    def sampling_phases(self, cond: Conditioning) -> tuple[str, ...]:
+        """The phases `sample(cond)` runs, in order: the keyframe encode (keyframes) or the reference encodes (image /
+        video references, then audio), then sampling."""
         refs = cond.references.references if cond.references else ()
-        if cond.keyframes or any(ref.kind != "audio" for ref in refs):
-            sources["video_vae"] = self.sources.video_vae
+        phases = ["keyframe encode"] if cond.keyframes and not refs else []
+        if any(ref.kind != "audio" for ref in refs):
+            phases.append("reference encode")
         if any(ref.has_audio for ref in refs):
-            sources["audio_vae"] = self.sources.audio_vae
-        return sources
+            phases.append("reference audio encode")
+        return (*phases, "sampling")
 
     @serialised
     def encode_keyframes(self, cond: Conditioning, *,

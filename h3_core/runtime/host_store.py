@@ -236,6 +236,17 @@ class HeldTensors:
         return source_bytes(self._recipes)
 
     @property
+    def anonymous_bytes(self) -> int:
+        """Bytes of the distinct host storages referenced that are not a checkpoint's file-backed pages."""
+        seen: dict[int, int] = {}
+        for recipes in self._recipes:
+            for recipe in (recipes or {}).values():
+                for s in recipe.sources:
+                    if segment_of(s) is None:
+                        seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.numel() * s.element_size())
+        return sum(seen.values())
+
+    @property
     def pinned_bytes(self) -> int:
         return 0
 
@@ -302,9 +313,27 @@ def page_aligned_bytes(nbytes: int) -> torch.Tensor:
     return raw[shift: shift + nbytes]
 
 
+class PinLedger(Protocol):
+    """The pinned-memory ledger of a host application that page-locks memory itself (ComfyUI): the process's pins
+    under one limit. `limit_bytes()` is its limit for every pin of the process (<= 0: pin nothing), `pinned_bytes()`
+    what it counts as locked now (ours included, as `add` reported them), `add(nbytes)` is told of every reservation
+    of ours (negative: given back)."""
+
+    def limit_bytes(self) -> int: ...
+
+    def pinned_bytes(self) -> int: ...
+
+    def add(self, nbytes: int) -> None: ...
+
+
 class PinBudget:
     """How many bytes of host memory may be page-locked; pinned pages cannot be reclaimed, so overbooking gets the
-    process killed instead of swapped."""
+    process killed instead of swapped.
+
+    Inside a host application that pins memory too, `share_with(ledger)` makes the two one budget: a reservation
+    also needs room under the ledger's limit after what the ledger counts (its own pins and ours), and every
+    reservation and give-back is reported to it, so neither side's pins push the sum over the host's limit.
+    `limit_bytes` is then what this budget may hold now: its own limit, or less where the ledger has less room."""
 
     # ComfyUI pins at most 40 % of RAM on Windows; the same share is a safe default everywhere.
     DEFAULT_FRACTION = 0.4
@@ -314,8 +343,29 @@ class PinBudget:
             from ..errors import H3Error
 
             raise H3Error(f"pin budget must be >= 0 bytes, got {limit_bytes}; pass 0 to never pin.")
-        self.limit_bytes = int(limit_bytes)
+        self.own_limit_bytes = int(limit_bytes)
         self.used_bytes = 0
+        self.ledger: PinLedger | None = None
+
+    @property
+    def limit_bytes(self) -> int:
+        if self.ledger is None:
+            return self.own_limit_bytes
+        room = max(0, int(self.ledger.limit_bytes()) - int(self.ledger.pinned_bytes()))
+        return min(self.own_limit_bytes, self.used_bytes + room)
+
+    @limit_bytes.setter
+    def limit_bytes(self, value: int) -> None:
+        self.own_limit_bytes = int(value)
+
+    def share_with(self, ledger: PinLedger | None) -> None:
+        """Count against a host application's pinned-memory ledger from now on (None: stop). What is already
+        reserved is moved onto the new ledger."""
+        if self.ledger is not None and self.used_bytes:
+            self.ledger.add(-self.used_bytes)
+        self.ledger = ledger
+        if ledger is not None and self.used_bytes:
+            ledger.add(self.used_bytes)
 
     @classmethod
     def shared(cls) -> "PinBudget":
@@ -335,10 +385,15 @@ class PinBudget:
         if self.used_bytes + nbytes > self.limit_bytes:
             return False
         self.used_bytes += nbytes
+        if self.ledger is not None and nbytes:
+            self.ledger.add(nbytes)
         return True
 
     def give_back(self, nbytes: int) -> None:
-        self.used_bytes = max(0, self.used_bytes - nbytes)
+        returned = min(self.used_bytes, max(0, nbytes))
+        self.used_bytes -= returned
+        if self.ledger is not None and returned:
+            self.ledger.add(-returned)
 
 
 _SHARED_BUDGET: PinBudget | None = None
@@ -517,6 +572,11 @@ class PinnedSlab:
     @property
     def host_bytes(self) -> int:
         return sum(s.nbytes for s in self.slabs)
+
+    @property
+    def anonymous_bytes(self) -> int:
+        """The slabs are the store's own memory."""
+        return self.host_bytes
 
     @property
     def pinned_bytes(self) -> int:

@@ -416,7 +416,17 @@ class LayerwiseOffloadManager(BlockResidency):
 
     def held_device_bytes(self) -> int:
         """Bytes of weights this manager holds on the device now (fixed slots count whole)."""
-        return self._persistent_bytes + max(self.backend.slot_bytes(), sum(self._slot_bytes))
+        return self._persistent_bytes + self.slot_device_bytes()
+
+    def slot_device_bytes(self) -> int:
+        """Bytes the streamed blocks' slots hold on the device now (fixed slots count whole; 0 once closed)."""
+        if not self._attached:
+            return 0
+        return max(self.backend.slot_bytes(), sum(self._slot_bytes))
+
+    @property
+    def attached(self) -> bool:
+        return self._attached
 
     def _sample(self) -> None:
         c = self._current

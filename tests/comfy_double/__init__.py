@@ -2,7 +2,8 @@
 
 `modules/` holds `comfy_api.latest`, `comfy.model_management`, `comfy.nested_tensor`, `comfy.utils`, `folder_paths` and
 `server`, with ComfyUI 0.33.0's signatures (contract/signatures.json, recorded from a real ComfyUI by
-record_contract.py).
+record_contract.py; the model registry's calls and values were added from kat3ri/ComfyUI 0f1fa67, the other
+entries unchanged there).
 `load_pack()` imports the pack the way ComfyUI's custom-node loader does; `executor.PromptExecutor` validates and runs
 API-format prompts; `core_nodes` stands in for the core nodes the example workflows end in and the core H3
 latent nodes.

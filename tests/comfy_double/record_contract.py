@@ -69,6 +69,18 @@ CALLABLES = [
     ("comfy.model_management", "throw_exception_if_processing_interrupted"),
     ("comfy.model_management", "interrupt_current_processing"),
     ("comfy.model_management", "processing_interrupted"),
+    ("comfy.model_management", "loaded_models"),
+    ("comfy.model_management", "cleanup_models"),
+    # What ComfyUI's model management calls on an entry of `current_loaded_models` (the pack's H3LoadedComponent).
+    ("comfy.model_management", "LoadedModel.model_memory"),
+    ("comfy.model_management", "LoadedModel.model_loaded_memory"),
+    ("comfy.model_management", "LoadedModel.model_offloaded_memory"),
+    ("comfy.model_management", "LoadedModel.model_memory_required"),
+    ("comfy.model_management", "LoadedModel.model_load"),
+    ("comfy.model_management", "LoadedModel.model_unload"),
+    ("comfy.model_management", "LoadedModel.model_use_more_vram"),
+    ("comfy.model_management", "LoadedModel.should_reload_model"),
+    ("comfy.model_management", "LoadedModel.is_dead"),
     ("folder_paths", "add_model_folder_path"),
     ("folder_paths", "get_folder_paths"),
     ("folder_paths", "get_filename_list"),
@@ -81,7 +93,8 @@ CALLABLES = [
 ]
 # Module-level values and classes that must exist with these properties.
 VALUES = [("comfy.model_management", "InterruptProcessingException"), ("folder_paths", "models_dir"),
-          ("comfy_api.latest._io", "Hidden")]
+          ("comfy_api.latest._io", "Hidden"), ("comfy.model_management", "current_loaded_models"),
+          ("comfy.model_management", "TOTAL_PINNED_MEMORY"), ("comfy.model_management", "MAX_PINNED_MEMORY")]
 
 
 def describe(function) -> list:

@@ -1,6 +1,9 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload]
+
+`SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
+`--only-unload` runs only the model-management check below (for iterating on it).
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -18,6 +21,10 @@ The step cache: the tiny example with the sampler at step_cache quality (30 step
 sampler's progress text, cached ones among them, the run's summary at the end and its cached steps in the badge's
 message; a cached run cancelled after its first cached call must stop in the sampler, and the same prompt then runs
 to the end with its hits.
+ComfyUI's "Unload models": after the tiny example, `POST /free {"unload_models": true}` must release the H3 components
+ComfyUI's model management now knows (the server's VmRSS falls by at least half the weights the loader kept
+resident), and the example with another seed must then run (the components load again); the same after
+`{"unload_models": true, "free_memory": true}`, which also drops ComfyUI's node cache.
 """
 
 from __future__ import annotations
@@ -401,6 +408,84 @@ def cancelled_cached_run(server: str, example: dict) -> bool:
     return ok
 
 
+def server_pid(server: str) -> int:
+    """The ComfyUI process serving `server`: a `main.py` whose command line has its port (or the default 8188)."""
+    port = server.rsplit(":", 1)[-1].split("/")[0]
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if any(a.endswith("main.py") for a in args) and (port in args or port == "8188" and "--port" not in args):
+                return int(proc.name)
+    raise SystemExit(f"no ComfyUI main.py process found for port {port}: give its pid as the third argument")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"/proc/{pid}/status has no VmRSS")
+
+
+def kept_weights_bytes(history: dict, loader: str) -> tuple[int, list[str]]:
+    """Bytes of the tiny model's files of the components the loader's memory profile left resident (the pipeline
+    keeps those loaded across prompts), read from the preflight it showed."""
+    sys.path.insert(0, str(PACK))
+    from h3_core.sources.model_sources import resolve_model
+    from h3_core.sources.tiny_default import ensure_tiny_model
+
+    preflight = " ".join(history["outputs"].get(loader, {}).get("h3_stream_preflight", []))
+    sources = resolve_model(ensure_tiny_model(), partition="fl2va")
+    kept, total = [], 0
+    for name in ("text_encoder", "transformer", "video_vae", "audio_vae"):
+        if f"{name} resident" in preflight:
+            path = Path(getattr(sources, name))
+            kept.append(name)
+            total += path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*.safetensors"))
+    return total, kept
+
+
+def unload_frees_and_reloads(server: str, example: dict, pid: int) -> bool:
+    """The tiny example, then ComfyUI's "Unload models" (`POST /free`): the server's RSS must fall by at least half
+    the weights of the components kept loaded, and the example with another seed must then succeed."""
+    example = json.loads(json.dumps(example))
+    loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
+    sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
+    encoder = next(k for k, v in example.items() if v["class_type"] == "H3StreamEncodePrompt")
+    text = example[encoder]["inputs"]["prompt"]
+    ok = True
+    for flags in ({"unload_models": True}, {"unload_models": True, "free_memory": True}):
+        # A prompt text of its own: every node runs, so every kept component is loaded before the unload.
+        example[encoder]["inputs"]["prompt"] = f"{text} ({uuid.uuid4().hex[:8]})"
+        example[sampler]["inputs"]["seed"] = int(time.time() * 1000) % 2**32
+        queued = call(f"{server}/prompt", {"prompt": example, "client_id": str(uuid.uuid4())})
+        history = wait_for(server, queued["prompt_id"])
+        weights, kept = kept_weights_bytes(history, loader)
+        time.sleep(2)
+        before = rss_bytes(pid)
+        request = urllib.request.Request(f"{server}/free", data=json.dumps(flags).encode(),
+                                         headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=60).close()
+        deadline, after = time.time() + 20, before
+        while time.time() < deadline and before - after < weights / 2:
+            time.sleep(0.5)
+            after = rss_bytes(pid)
+        time.sleep(1)
+        after = rss_bytes(pid)
+        example[sampler]["inputs"]["seed"] += 1
+        queued = call(f"{server}/prompt", {"prompt": example, "client_id": str(uuid.uuid4())})
+        rerun = wait_for(server, queued["prompt_id"])["status"]["status_str"]
+        fell = before - after
+        passed = history["status"]["status_str"] == "success" and weights > 0 and fell >= weights / 2 \
+            and rerun == "success"
+        ok &= passed
+        print(f"POST /free {json.dumps(flags)}: server RSS {before / 2**20:.1f} -> {after / 2**20:.1f} MiB (fell "
+              f"{fell / 2**20:.1f} MiB; kept resident {kept}: {weights / 2**20:.1f} MiB of weights, at least half "
+              f"required); the next prompt (seed changed): {rerun}{'' if passed else '  <-- FAILED'}")
+    return ok
+
+
 def start_engines(work: Path) -> list:
     """SGLang's and vLLM-Omni's own servers, those whose venv is built (each says so when it is not)."""
     from engine_servers import SGLangServer, VllmOmniServer, unavailable
@@ -417,11 +502,17 @@ def start_engines(work: Path) -> list:
 
 
 def main() -> int:
-    server, output_dir = sys.argv[1].rstrip("/"), Path(sys.argv[2])
+    args = [a for a in sys.argv[1:] if a != "--only-unload"]
+    server, output_dir = args[0].rstrip("/"), Path(args[1])
+    pid = int(args[2]) if len(args) > 2 else server_pid(server)
     info = call(f"{server}/object_info")
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
+    tiny = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    failures += not unload_frees_and_reloads(server, tiny, pid)
+    if "--only-unload" in sys.argv:
+        return 1 if failures else 0
     sys.path.insert(0, str(PACK / "tests"))
     import tempfile
 
