@@ -103,3 +103,14 @@ def vllm_omni_server(engine_servers):
 
     require("vllm-omni")
     return engine_servers["vllm-omni"]
+
+
+@pytest.fixture(autouse=True)
+def process_pin_budget():
+    """Each test starts from a fresh process-wide pin budget: the node tests share it with the ComfyUI double's
+    pinned-memory ledger (limit 0 there), which would otherwise stop every later test's CUDA-like stores pinning."""
+    from h3_core.runtime import host_store
+
+    host_store._SHARED_BUDGET = None
+    yield
+    host_store._SHARED_BUDGET = None

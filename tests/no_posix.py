@@ -30,6 +30,10 @@ def _refusing_import(original):
 
 
 def apply() -> None:
+    try:  # psutil (the reference libraries' import, through transformers) reads os.sysconf at import on Linux
+        import psutil  # noqa: F401
+    except ImportError:
+        pass
     for name in REMOVED + tuple(n for n in dir(os) if n.startswith("POSIX_FADV_")):
         if hasattr(os, name):
             delattr(os, name)
