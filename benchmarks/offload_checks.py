@@ -89,21 +89,20 @@ class Device:
 
     # ---- models ---------------------------------------------------------------------------------------------
 
-    def resident(self, folder: Path) -> h3_core.H3DiT:
-        return h3_core.load_dit(folder, device=self.device, dtype=self.dtype)
+    def resident(self, folder: Path, **load_options) -> h3_core.H3DiT:
+        return h3_core.load_dit(folder, device=self.device, **{"dtype": self.dtype, **load_options})
 
     def layerwise(self, folder: Path, *, pin_budget: PinBudget | None = None, backend_class=AsyncBackend,
                   **load_options) -> h3_core.H3DiT:
         """The layerwise model through `backend_class` with `pin_budget`. On CUDA with neither given, exactly what a
         user gets: `load_dit(residency="layerwise")` (the process's shared pin budget)."""
+        load_options = {"dtype": self.dtype, **load_options}
         if not self.simulated and pin_budget is None and backend_class is AsyncBackend:
-            model = h3_core.load_dit(folder, device=self.device, dtype=self.dtype, residency="layerwise",
-                                     **load_options)
+            model = h3_core.load_dit(folder, device=self.device, residency="layerwise", **load_options)
         else:
             budget = pin_budget if pin_budget is not None else PinBudget.default()
             model = streamed_dit(folder, self.device, pin_budget=budget, backend_class=backend_class,
-                                 platform=self.platform if self.simulated else None, dtype=self.dtype,
-                                 **load_options)
+                                 platform=self.platform if self.simulated else None, **load_options)
         if self.simulated:  # the staging reader's fills are host writes the race detector must see
             for manager in managers_of(model):
                 if hasattr(manager.store, "_fill"):
@@ -180,6 +179,33 @@ class Device:
         for w in caught:
             if "synchroniz" in str(w.message).lower():
                 found.events.append(f"{w.filename}:{w.lineno}: {w.message}")
+
+
+    @contextlib.contextmanager
+    def count_pinned_compute_copies(self):
+        """Bytes copied non-blocking on the compute stream from page-locked host memory while active (`.bytes`):
+        what a fold that copies its factors from pinned memory without a host wait moves."""
+        found = SimpleNamespace(bytes=0)
+        if self.simulated:
+            fake = self.fake
+            cls = type(fake)
+            pinned = lambda src: src.untyped_storage().data_ptr() in fake.pinner.pinned  # noqa: E731
+            on_compute = lambda: fake.current_stream() is fake.compute  # noqa: E731
+        else:
+            from h3_core.runtime import platform as platform_module
+
+            cls = platform_module._CudaOps
+            pinned = torch.Tensor.is_pinned
+            on_compute = lambda: torch.cuda.current_stream() == torch.cuda.default_stream()  # noqa: E731
+        original = cls.copy_to_device
+
+        def counted(ops, dst, src, non_blocking=False):
+            if non_blocking and on_compute() and pinned(src):
+                found.bytes += src.numel() * src.element_size()
+            return original(ops, dst, src, non_blocking)
+
+        with mock.patch.object(cls, "copy_to_device", counted):
+            yield found
 
 
 def managers_of(model) -> list[LayerwiseOffloadManager]:
@@ -459,4 +485,96 @@ def steady_state_syncs(device: Device, folder: Path, inputs, *, pin_units: int =
         model.close(restore=False)
     return {"step_syncs": len(step_syncs.events), "loop_syncs": len(loop_syncs.events),
             "where": (step_syncs.events + loop_syncs.events)[:10], "same_outputs": same,
+            "race_count": len(device.races()) - races_before}
+
+
+# ---- a LoRA folded into streamed blocks -----------------------------------------------------------------------------
+
+
+def write_check_loras(folder: Path, config, rank: int = 4) -> list[Path]:
+    """Two LoRAs on every block of the check model, in the formats whose rows the loader places: DiffSynth (the
+    per-head interleaved QKV: a row order; out_proj) and diffusers (q / k / v row slices, fc1's `[up; gate]` swap: a
+    row order; fc2; the AdaLN projection, streamed apart; the text refiner's q, phase-scoped), scaled by a metadata
+    alpha."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    inner, hidden, ffn = config.inner_dim, config.hidden_size, config.ffn_dim
+
+    def pair(state, name, rows, cols, infix=""):
+        state[f"{name}.lora_A.{infix}weight"] = torch.randn(rank, cols, generator=g) / cols ** 0.5
+        state[f"{name}.lora_B.{infix}weight"] = torch.randn(rows, rank, generator=g) * 0.05
+
+    diffsynth, diffusers = {}, {}
+    for i in range(config.num_layers):
+        pair(diffsynth, f"blocks.{i}.attn.qkv_proj", 3 * inner, hidden, "default.")
+        pair(diffsynth, f"blocks.{i}.attn.out_proj", hidden, inner, "default.")
+        block = f"transformer.transformer_blocks.{i}"
+        for projection in ("to_q", "to_k", "to_v"):
+            pair(diffusers, f"{block}.attn.{projection}", inner, hidden)
+        pair(diffusers, f"{block}.ff.net.0.proj", 2 * ffn, hidden)
+        pair(diffusers, f"{block}.ff.net.2", hidden, ffn)
+        pair(diffusers, f"{block}.adaln_proj.linear", 6 * 3 * hidden, config.time_embed_dim)
+    pair(diffusers, "transformer.token_refiner.refiner_blocks.0.attn.to_q", inner, hidden)
+    paths = [folder / "diffsynth.safetensors", folder / "diffusers.safetensors"]
+    save_file(diffsynth, str(paths[0]))
+    save_file(diffusers, str(paths[1]), metadata={"alpha": str(2 * rank)})
+    return paths
+
+
+def lora_steady_state(device: Device, folder: Path, inputs, loras, *, pin_budget: PinBudget, **load_options) -> dict:
+    """The layerwise model with `loras` ((file, strength), ...) against the resident one with them, then a
+    steady-state sampling step (precomputed text and AdaLN tables, after two warm-up steps): its host
+    synchronisations, its reads of the LoRA files, and the factor bytes its folds moved against those copied
+    non-blocking on the compute stream from page-locked memory. Then the LoRA set removed and applied again (the
+    same bits), and the pin budget after close."""
+    from h3_core.runtime.file_reads import FileReader
+
+    with torch.no_grad():
+        reference = tuple(t.clone() for t in forward(device.resident(folder, loras=loras, **load_options), inputs))
+    races_before, used_before = len(device.races()), pin_budget.used_bytes
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = device.layerwise(folder, pin_budget=pin_budget, loras=loras, **load_options)
+    extra = model.block_residency.stats().extra
+    lora_files = {Path(path).resolve() for path, _ in loras}
+    lora_reads, real_read = [], FileReader.read_into
+
+    def census(reader, segment, target, start=0):
+        if Path(segment.path).resolve() in lora_files:
+            lora_reads.append(segment.path)
+        return real_read(reader, segment, target, start)
+
+    try:
+        with device.watching():
+            precomputed = precompute(model, inputs)
+            first = forward(model, inputs, precomputed)
+            forward(model, inputs, precomputed)
+            device.synchronize()
+            moved = model.lora_fold.factor_bytes_moved
+            with mock.patch.object(FileReader, "read_into", census), device.count_pinned_compute_copies() as copies, \
+                    device.count_host_syncs() as syncs:
+                step = forward(model, inputs, precomputed)
+            moved = model.lora_fold.factor_bytes_moved - moved
+            pins_with = pin_budget.used_bytes - used_before
+            h3_core.set_loras(model, [])  # right behind queued folds: unpinned only once they ran
+            pins_without = pin_budget.used_bytes - used_before
+            h3_core.set_loras(model, loras)
+            pins_again = pin_budget.used_bytes - used_before
+            again = forward(model, inputs, precomputed)
+            device.synchronize()
+    finally:
+        model.close(restore=False)
+    return {"same_as_resident": difference(first, reference)["max_abs_difference"] == 0,
+            "steady_same": difference(step, first)["max_abs_difference"] == 0,
+            "again_same": difference(again, first)["max_abs_difference"] == 0,
+            "host_syncs": len(syncs.events), "where": syncs.events[:10], "lora_reads": len(lora_reads),
+            "factor_bytes_moved": moved, "factor_bytes_from_pinned": copies.bytes,
+            "cache_bytes": extra.get("transform_host_bytes", 0),
+            "cache_pinned_bytes": extra.get("transform_pinned_bytes", 0),
+            "pins_with": pins_with, "pins_without": pins_without, "pins_again": pins_again,
+            "pins_after_close": pin_budget.used_bytes - used_before,
+            "pin_warnings": [str(w.message) for w in caught if "LoRA factors" in str(w.message)],
             "race_count": len(device.races()) - races_before}

@@ -25,6 +25,11 @@ Every number is checked when the file is read, before any fold (factors, alphas:
 the strengths when a fold is made (`check_strengths`). Factors are read with explicit reads by the file's own
 `FileReader`, checked against the file's identity, as checkpoints are: a LoRA truncated or rewritten while in use is
 the checkpoints' "changed while it was loaded" error, never a SIGBUS, and what is folded is what was checked.
+
+On an asynchronous-copy device (CUDA) the streamed blocks' folds use a `CachedFold` (`AsyncBackend.bind_transform`):
+their factors read once per LoRA set, in the model's row order, into page-locked host memory of the backend's pin
+budget, and copied non-blocking on the compute stream, so a fold neither reads a file nor makes the host wait. The
+numbers are the same: the same factors, cast the same way, added in the same steps.
 """
 
 from __future__ import annotations
@@ -33,11 +38,12 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 import weakref
 from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -47,6 +53,7 @@ from ..models.dit import H3DiT
 from ..models.dit_config import H3DiTConfig
 from ..models.meta_models import meta_model
 from ..runtime.file_reads import FileIdentity, FileReader, read_private, segment_of
+from ..runtime.host_store import HostPinner, PinBudget, PinWarning, page_aligned_bytes, plan_slab, view_in
 from .safetensors_io import SafetensorsFile, refuse_pickle
 
 
@@ -94,24 +101,40 @@ class Update:
     row_order: torch.Tensor | None = None
     change_bound: float = 0.0
 
-    def add_to(self, target: torch.Tensor, strength: float, reader: FileReader | None = None) -> int:
+    def add_to(self, target: torch.Tensor, strength: float, reader: FileReader | None = None,
+               factors: "CachedFactors | None" = None) -> int:
         """`target += strength * scale * update` in place, one `addmm_` per `fold_rows` rows with the factors in the
         weight's dtype (the GEMM accumulates in float32 and rounds once: as precise as a float32 product added, and
         20x faster than a mixed-dtype add on the CPU). Factors in a file are read by `reader` (a temporary one when
-        None). Returns the bytes of the factors read onto the device."""
+        None), or, given `factors` (this update's, read once by a `CachedFold`), copied from those with no file read.
+        Returns the bytes of the factors moved onto the device."""
         with ExitStack() as stack:
-            if reader is None and (segment_of(self.up) is not None or
-                                   (self.down is not None and segment_of(self.down) is not None)):
-                reader = stack.enter_context(closing(FileReader()))
             device, dtype, factor = target.device, target.dtype, strength * self.scale
-            down = None if self.down is None else _read_rows(self.down, None, reader).to(device=device, dtype=dtype)
-            order = self.row_order
+            if factors is not None:  # read once, in the model's row order and the weight's dtype
+                def down_rows():
+                    return factors.to_device(factors.down)
+
+                def up_rows(start, stop):
+                    return factors.to_device(factors.up[start:stop])
+            else:
+                if reader is None and (segment_of(self.up) is not None or
+                                       (self.down is not None and segment_of(self.down) is not None)):
+                    reader = stack.enter_context(closing(FileReader()))
+                order = self.row_order
+
+                def down_rows():
+                    return _read_rows(self.down, None, reader).to(device=device, dtype=dtype)
+
+                def up_rows(start, stop):
+                    rows = range(start, stop) if order is None else order[start:stop]
+                    return _read_rows(self.up, rows, reader).to(device=device, dtype=dtype)
+
+            down = None if self.down is None else down_rows()
             moved = 0 if down is None else down.numel() * down.element_size()
             step = fold_rows(target)
             for start in range(0, target.shape[0], step):
                 stop = min(start + step, target.shape[0])
-                rows = range(start, stop) if order is None else order[start:stop]
-                up = _read_rows(self.up, rows, reader).to(device=device, dtype=dtype)
+                up = up_rows(start, stop)
                 moved += up.numel() * up.element_size()
                 if down is None:
                     target[start:stop].add_(up, alpha=factor)
@@ -612,21 +635,33 @@ class LoraFold:
     def targets(self) -> set[str]:
         return {name for lora, strength in self.loras if strength != 0 for name in lora.updates}
 
-    def fold(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """`tensor` (a fresh device copy, never the host store) with every update of `name` added, in place."""
-        for lora, strength in self.loras:
+    def fold(self, name: str, tensor: torch.Tensor, cache: "CachedFold | None" = None) -> torch.Tensor:
+        """`tensor` (a fresh device copy, never the host store) with every update of `name` added, in place; the
+        factors from `cache` where it holds them, else read from their files."""
+        for k, (lora, strength) in enumerate(self.loras):
             if strength == 0:
                 continue
-            for update in lora.updates.get(name, ()):
+            for j, update in enumerate(lora.updates.get(name, ())):
                 view = tensor if update.rows is None else tensor[update.rows[0]: update.rows[1]]
-                self.factor_bytes_moved += update.add_to(view, strength, lora.reader)
+                factors = None if cache is None else cache.factors_of(k, name, j, view)
+                self.factor_bytes_moved += update.add_to(view, strength, lora.reader, factors)
                 self.folds += 1
         return tensor
+
+    def cached(self, dtypes: Mapping[str, torch.dtype], *, platform, pin_budget, pinner) -> "CachedFold":
+        """This fold with the factors of the parameters in `dtypes` (name -> the weight's dtype) read once into
+        page-locked host memory (see `CachedFold`): what an asynchronous-copy backend folds its streamed units with."""
+        return CachedFold(self, dtypes, platform=platform, pin_budget=pin_budget, pinner=pinner)
+
+    def cached_bytes(self, dtypes: Mapping[str, torch.dtype]) -> int:
+        """Host bytes `cached(dtypes)` holds: the factors of those parameters in their weights' dtypes."""
+        return plan_slab([row[:4] for row in _cache_layout(self, dtypes)])[1]
 
     def peak_temporary_bytes(self, dtype: torch.dtype) -> int:
         """The largest temporary one fold step makes into weights of `dtype`: the factors of one update on the device
         (the up rows of a step and the down matrix, in `dtype`) and, where the file's dtype differs, the explicit
-        read they are cast from (the down matrix, then a step's up rows); the fold itself is in place."""
+        read they are cast from (the down matrix, then a step's up rows); the fold itself is in place. (A
+        `CachedFold`'s folds read nothing: only the factors, so this bounds them too.)"""
         size = torch.empty((), dtype=dtype).element_size()
         peak = 0
         for lora, strength in self.loras:
@@ -649,6 +684,121 @@ class LoraFold:
         for name, tensor in tensors.items():
             if name in targets:
                 self.fold(name, tensor)
+
+
+def block_factor_bytes(fold: LoraFold, dtype: torch.dtype) -> int:
+    """Host bytes of the factors a layerwise transformer's block manager holds on an asynchronous-copy device
+    (`CachedFold`): those of the blocks' weights in `dtype`, but the AdaLN projections' (streamed apart, one pass per
+    request: folded from the file)."""
+    return fold.cached_bytes({name: dtype for name in fold.targets()
+                              if name.startswith("blocks.") and ".adaln_proj." not in name})
+
+
+def _cache_layout(fold: LoraFold, dtypes: Mapping[str, torch.dtype]) -> list[tuple]:
+    """(key, dtype, shape, stride, lora, factor, row order) of every factor the folds of `dtypes`' parameters use,
+    key (lora index, parameter, update index, "down" / "up")."""
+    out = []
+    for k, (lora, strength) in enumerate(fold.loras):
+        if strength == 0:
+            continue
+        for name, updates in lora.updates.items():
+            dtype = dtypes.get(name)
+            if dtype is None:
+                continue
+            for j, u in enumerate(updates):
+                for part, factor, order in (("down", u.down, None), ("up", u.up, u.row_order)):
+                    if factor is not None:
+                        shape = tuple(factor.shape)
+                        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+                        out.append(((k, name, j, part), dtype, shape, stride, lora, factor, order))
+    return out
+
+
+@dataclass(frozen=True)
+class CachedFactors:
+    """One update's factors in host memory (`up` in the model's row order), and how they reach the device."""
+
+    down: torch.Tensor | None
+    up: torch.Tensor
+    to_device: Callable[[torch.Tensor], torch.Tensor]
+
+
+class CachedFold:
+    """A `LoraFold` as an asynchronous-copy backend runs it on its streamed units (`AsyncBackend.bind_transform`).
+
+    The factors of the parameters in `dtypes` are read once (per LoRA set and strengths), by each file's checked
+    reader (a file changed since it was read is the checkpoints' error, here), in the model's row order and cast to
+    the weight's dtype, into one host slab, page-locked in place and counted in `pin_budget` (the backend's), or left
+    pageable with a `PinWarning` when the budget or the page-locker refuses. A fold copies them to the device with
+    non-blocking copies on the current (compute) stream, which orders them before its `addmm_`: no file read, no
+    host wait. The slab is never written once filled, and is unpinned only after a device synchronisation
+    (`close`: a LoRA set change, the manager's close). Numbers are the plain fold's: the same factors, cast the same
+    way, added in the same `fold_rows` steps. Parameters it holds no factors for are folded as `LoraFold` does."""
+
+    def __init__(self, fold: LoraFold, dtypes: Mapping[str, torch.dtype], *, platform, pin_budget: PinBudget,
+                 pinner: HostPinner | None):
+        self.fold, self.platform, self.pin_budget, self._pinner = fold, platform, pin_budget, pinner
+        self.pinned = False
+        layout = _cache_layout(fold, dtypes)
+        entries, self.host_bytes = plan_slab([row[:4] for row in layout])
+        self.data = page_aligned_bytes(self.host_bytes)
+        self._factors: dict[tuple, torch.Tensor] = {}
+        for entry, (key, _, _, _, lora, factor, order) in zip(entries, layout):
+            view = view_in(self.data, entry)
+            view.copy_(_read_rows(factor, order, lora.reader))  # the row order applied once, cast as a fold casts
+            self._factors[key] = view
+        if self.host_bytes and pinner is not None:
+            left = pin_budget.limit_bytes - pin_budget.used_bytes
+            if pin_budget.try_reserve(self.host_bytes):
+                self.pinned = bool(pinner.register(self.data))
+                if not self.pinned:
+                    pin_budget.give_back(self.host_bytes)
+            if not self.pinned:
+                warnings.warn(f"{self.host_bytes:,} bytes of LoRA factors stay in pageable host memory (the pin "
+                              f"budget had {left:,} bytes left, or page-locking was refused): each streamed "
+                              "block's fold copies them synchronously, so the host waits for the device there.",
+                              PinWarning, stacklevel=3)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.host_bytes if self.pinned else 0
+
+    def factors_of(self, lora_index: int, name: str, index: int, target: torch.Tensor) -> CachedFactors | None:
+        """Update `index` of `name` from LoRA `lora_index`, for a weight like `target`; None when not held."""
+        up = self._factors.get((lora_index, name, index, "up"))
+        if up is None or up.dtype != target.dtype:
+            return None
+        return CachedFactors(self._factors.get((lora_index, name, index, "down")), up, self._to_device)
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return self.platform.device_copy(host, non_blocking=True)
+
+    def __call__(self, tensors: dict[str, torch.Tensor]) -> None:
+        targets = self.fold.targets()
+        for name, tensor in tensors.items():
+            if name in targets:
+                self.fold.fold(name, tensor, self)
+
+    def close(self) -> None:
+        """Unpin the slab (after a device synchronisation: a queued copy may still read it) and drop it; later
+        folds read their files."""
+        if self.pinned:
+            self.platform.synchronize()
+            self.pinned = False
+            if self._pinner.unregister(self.data) is not False:
+                self.pin_budget.give_back(self.host_bytes)
+        self._factors = {}
+        self.data = None
+
+    def __del__(self):
+        # Dropped without close(): leave no registration behind (a finaliser may not raise; see PinnedSlab).
+        try:
+            self.close()
+        except Exception as exc:
+            try:
+                warnings.warn(f"LoRA factors dropped without close() could not be unpinned: {exc!r}.", PinWarning)
+            except Exception:  # pragma: no cover - interpreter teardown
+                pass
 
 
 def _unchanged(lora: LoraFile) -> bool:

@@ -73,6 +73,9 @@ class ComponentEstimate:
     # weight dequantised (`dequantised_extra_bytes` more than `total_bytes`).
     dequantised_unit_bytes: int = 0
     dequantised_extra_bytes: int = 0
+    # Host memory a streamed component's weight transform keeps on an asynchronous-copy device (CUDA): the DiT's
+    # LoRA factors of its blocks (`lora_loader.CachedFold`), page-locked from the pin budget its store left.
+    fold_cache_bytes: int = 0
 
     @property
     def slots(self) -> int:
@@ -258,6 +261,8 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
     items = [PhaseItem(c.name, "weights", c.resident_fixed_bytes)]
     items.append(PhaseItem(c.name, "pinned blocks" if copying and read_ahead is not None else "host store",
                            c.host_store_bytes(copying, read_ahead, pin_room), on_host=True))
+    if copying:
+        items.append(PhaseItem(c.name, "LoRA factors", c.fold_cache_bytes, on_host=True))
     repeated = c.name in REPEATED_PASSES
     persistent = copying or (kept and repeated and read_ahead is not None)
     if spec is None:
@@ -321,6 +326,8 @@ def phase_estimates(components: Sequence[ComponentEstimate], phases: Sequence[Ph
                 pin_room -= ring if ring <= pin_room else 0
                 rooms[c.name] = pin_room
                 pin_room -= min(pin_room, c.host_store_bytes(True, staging_read_ahead, pin_room))
+                if c.residency == settings.LAYERWISE and c.fold_cache_bytes <= pin_room:
+                    pin_room -= c.fold_cache_bytes  # pinned after the store, when it fits (else pageable)
         for c in components:
             if c.name not in rooms:
                 continue

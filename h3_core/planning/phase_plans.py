@@ -18,7 +18,7 @@ from .. import settings
 from ..checkpoints.audio_vae_loader import AUDIO_PHASE_SCOPED, resolve_audio_vae_checkpoint
 from ..checkpoints.dit_loader import PHASE_SCOPED as DIT_PHASE_SCOPED
 from ..checkpoints.dit_loader import is_fp32_island, resolve_dit_checkpoint, target_dtype
-from ..checkpoints.lora_loader import LoraFold, read_lora
+from ..checkpoints.lora_loader import LoraFold, block_factor_bytes, read_lora
 from ..checkpoints.quantised import DEQUANTISED_DEFAULT_DTYPE
 from ..checkpoints.text_encoder_loader import PHASE_SCOPED as TEXT_PHASE_SCOPED
 from ..checkpoints.text_encoder_loader import STREAMED_LAYER_PREFIX as TEXT_STREAMED_LAYER_PREFIX
@@ -305,8 +305,9 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
     `residency` ("resident" / "layerwise") fixes every streamable component's residency instead of choosing it; a
     mapping fixes each named component's (those of a pipeline already built). See `runtime.memory_plan.fit_budget`.
 
-    `loras` ((file, strength), ...) are read and checked against the transformer here; their factors stay
-    memory-mapped, and the device bytes of their largest fold step count with the transformer's activations.
+    `loras` ((file, strength), ...) are read and checked against the transformer here; the device bytes of their
+    largest fold step count with the transformer's activations, and on CUDA a streamed transformer's copy of its
+    blocks' factors (`CachedFold`) with its host memory; elsewhere the factors stay memory-mapped.
 
     `references` (a normalised `references.ReferenceRequest`): a Ref2VA request; its rows count in the
     transformer's activations and the chunk-size choice, and its reference-encode phases are planned.
@@ -330,9 +331,13 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
         fold = LoraFold([(read_lora(path, config), float(strength)) for path, strength in loras])
         fold_bytes = fold.peak_temporary_bytes(dtype or torch.bfloat16)
         dit.activation_bytes += fold_bytes
+        dit.fold_cache_bytes = block_factor_bytes(fold, dtype or torch.bfloat16)
         files = sum(lora.nbytes for lora, _ in fold.loras)
         notes.append(f"{len(fold.loras)} LoRA file(s), {format_bytes(files)} memory-mapped; their fold adds up to "
-                     f"{format_bytes(fold_bytes)} to the transformer phase")
+                     f"{format_bytes(fold_bytes)} to the transformer phase"
+                     + (f", and a streamed transformer holds its blocks' factors in page-locked host memory "
+                        f"({format_bytes(dit.fold_cache_bytes)})" if Platform.for_device(device).asynchronous_copies
+                        else ""))
     phases = [PhaseSpec(name, component,
                         _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None,
                         parts=tuple(p for p in PHASE_PARTS[name] if keyframes or references or p != "vision"),

@@ -85,7 +85,8 @@ class LayerwiseOffloadManager(BlockResidency):
         self._last_pass: PassStats | None = None
         self._current = PassStats()
         self._total_h2d = 0
-        self._transform = None
+        self._transform = None  # as bound by the backend (`bind_transform`)
+        self._transform_request = None  # as given to `set_transform`
         self._planned: frozenset[int] | None = None  # `set_order`: the blocks this pass will acquire (None: all)
         self._last_acquired: int | None = None
 
@@ -172,6 +173,7 @@ class LayerwiseOffloadManager(BlockResidency):
                 self._slots.discard(slot)
                 self.backend.discard(slot)
         self.backend.close()
+        self._close_transform()
         for i, unit in enumerate(self._params if restore else ()):
             for name, p in unit.items():
                 original = self._store.original(i, name)
@@ -203,13 +205,24 @@ class LayerwiseOffloadManager(BlockResidency):
     def set_transform(self, transform) -> None:
         """`transform(tensors)` edits a unit's freshly materialised device tensors (parameter name -> tensor) in place
         before they are bound, e.g. to fold a LoRA in; None removes it. Blocks kept on the device are materialised
-        again, so they get the change too; streamed blocks get it at their next load."""
+        again, so they get the change too; streamed blocks get it at their next load. The backend may bind it to
+        its streamed units (`OffloadBackend.bind_transform`: a LoRA fold's factors held in pinned memory on CUDA);
+        the previous binding is closed first, so its host memory is given back before the new one takes some."""
         self._require_attached()
-        self._transform = transform
+        self._close_transform()
+        self._transform = self._transform_request = transform
+        if transform is not None:
+            dtypes = {name: p.dtype for i in self.streamed for name, p in self._params[i].items()}
+            self._transform = self.backend.bind_transform(transform, dtypes)
         for i in sorted(self.resident):
             tensors, nbytes = self.backend.materialise_persistent(i)
             self._bind(i, tensors)
             self._total_h2d += nbytes
+
+    def _close_transform(self) -> None:
+        if self._transform is not self._transform_request and hasattr(self._transform, "close"):
+            self._transform.close()
+        self._transform = self._transform_request
 
     def _bind_placeholders(self, index: int) -> None:
         for p in self._params[index].values():
@@ -455,7 +468,10 @@ class LayerwiseOffloadManager(BlockResidency):
             store=self._store.kind,
             extra={"reclaims": getattr(self.backend, "reclaims", 0),
                    "staging_bytes": getattr(self._store, "staging_bytes", 0),
-                   "cached_units": len(getattr(self._store, "cached_units", ()))},
+                   "cached_units": len(getattr(self._store, "cached_units", ())),
+                   # host memory the bound transform keeps (a LoRA fold's factors on CUDA), and how much is pinned
+                   "transform_host_bytes": getattr(self._transform, "host_bytes", 0),
+                   "transform_pinned_bytes": getattr(self._transform, "pinned_bytes", 0)},
         )
 
 

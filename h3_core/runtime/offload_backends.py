@@ -85,6 +85,12 @@ class OffloadBackend:
         """Device bytes held by the slots whatever they contain (fixed slots); 0 when slots allocate per load."""
         return 0
 
+    def bind_transform(self, transform, dtypes: dict[str, torch.dtype]):
+        """The transform this backend runs on its streamed units' tensors (`dtypes`: their parameters and dtypes):
+        `transform` itself, or a version that keeps what it adds in host memory of this backend's (see AsyncBackend).
+        A bound transform with a `close()` is closed when replaced and when the manager closes."""
+        return transform
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -210,8 +216,10 @@ class AsyncBackend(OffloadBackend):
         self.free_events: list = []
         self._free_recorded: list[bool] = []
         self._slot_nbytes = 0
+        self._repeated = True
 
     def build_store(self, recipes: list[UnitRecipes | None], streamed: Sequence[int], *, repeated: bool = True):
+        self._repeated = repeated
         if self.read_ahead is not None and streamed and any_file_backed(recipes):
             store = StagedReads(recipes, streamed, read_ahead=max(1, self.read_ahead), pin_budget=self.pin_budget,
                                 pinner=self._pinner, cache_budget_bytes=self.cache_budget_bytes,
@@ -307,6 +315,16 @@ class AsyncBackend(OffloadBackend):
 
     def slot_bytes(self) -> int:
         return self._slot_nbytes * len(self.buffers)
+
+    def bind_transform(self, transform, dtypes: dict[str, torch.dtype]):
+        """A transform that offers `cached(dtypes, platform=, pin_budget=, pinner=)` (a LoRA fold) reads what it
+        adds once into host memory page-locked in this backend's pin budget and copies it non-blocking on the
+        compute stream, so its folds make no file read and no host wait; only for units used by more than one pass
+        per load (as packing: a component run once per request keeps nothing between requests)."""
+        cached = getattr(transform, "cached", None)
+        if cached is None or not self._repeated or not dtypes:
+            return transform
+        return cached(dtypes, platform=self.platform, pin_budget=self.pin_budget, pinner=self._pinner)
 
     def close(self) -> None:
         # The only host synchronisation: a pending DMA may still read a slab that is about to be unpinned (the

@@ -452,6 +452,14 @@ class Platform:
         """An uninitialised device buffer of `nbytes` bytes (uint8), from the device's allocator."""
         return self._ops.empty(nbytes)
 
+    def device_copy(self, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """A copy of the contiguous host tensor `src` in a fresh device buffer, made by `copy_to_device` on the
+        current stream: with `non_blocking`, from page-locked memory, queued behind the stream's work without the
+        host waiting (the source must then stay unchanged until the stream has run the copy)."""
+        dst = self.empty(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        self.copy_to_device(dst, src, non_blocking)
+        return dst
+
 
 def peak_rss_bytes() -> int | None:
     """Peak resident set of this process since it started: Linux VmHWM, else getrusage (macOS reports ru_maxrss in
