@@ -24,12 +24,8 @@ from h3_core.checkpoints import lora_loader  # noqa: E402
 from h3_core.checkpoints.lora_loader import LoraFold, block_factor_bytes, read_lora  # noqa: E402
 from h3_core.runtime.host_store import PinBudget  # noqa: E402
 from offload_cuda import constrained_budget  # noqa: E402
+from test_residency_cuda import KINDS  # noqa: E402  (the real device where there is one, and the simulated one)
 
-CUDA_PROBLEM = oc.Device.problem("cuda")
-KINDS = [pytest.param("cuda", marks=[pytest.mark.cuda,
-                                     pytest.mark.skipif(CUDA_PROBLEM is not None, reason=f"needs a CUDA device "
-                                                                                        f"({CUDA_PROBLEM})")]),
-         "fake"]
 
 
 @pytest.fixture(scope="module")
