@@ -266,7 +266,11 @@ def test_the_bytes_read_per_call_add_up_to_every_byte_read(checkpoint, request_)
     stats = result.step_cache
     total = model.block_residency.bytes_read - before
     unit = model.block_residency.store.unit_bytes(3)  # a middle block's bytes
-    assert sum(stats.bytes_read) == total  # (the precompute's pass streams the AdaLN projections apart)
+    # Every byte read during the calls is counted in one call (the precompute's pass streams the AdaLN projections
+    # apart). The last call ends by reading the next pass's first blocks ahead, on the reader thread: those reads
+    # may finish after the sampler's last count, and only those.
+    after_last_call = total - sum(stats.bytes_read)
+    assert after_last_call % unit == 0 and 0 <= after_last_call <= WIDER.first_blocks * unit, after_last_call
     # A cached call reads at most the blocks it runs, the next call's first and one block read ahead on a path
     # guessed wrong; a call that runs every block reads at least its middle ones.
     for hit, read in zip(stats.decisions, stats.bytes_read):
