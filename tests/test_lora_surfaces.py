@@ -17,7 +17,7 @@ from h3_core.pipeline import H3Pipeline
 from h3_core.pipeline import pipeline as pipeline_module
 from h3_core.planning.phase_plans import plan_components
 from h3_core.sources import resolve_model
-from h3_core.sources.tiny_default import TINY_LORA, ensure_tiny_lora, ensure_tiny_model, write_tiny_lora
+from h3_core.sources.tiny_default import TINY_LORA, TINY_VERSION, ensure_tiny_lora, ensure_tiny_model, write_tiny_lora
 
 SHAPE = h3_core.LatentShape.for_request(64, 32, 5)
 
@@ -50,7 +50,7 @@ def test_tiny_lora_is_deterministic_original_format_and_recommends_8_sampling_st
     assert ensure_tiny_lora(fresh).read_bytes() == lora.read_bytes()
     model = ensure_tiny_model(fresh)
     assert (model / "model_index.json").is_file() and (model / "diffusion_models").is_dir()
-    assert sorted(p.name for p in fresh.iterdir()) == ["tiny-v1"]  # no staging folder left behind
+    assert sorted(p.name for p in fresh.iterdir()) == [TINY_VERSION]  # no staging folder left behind
 
 
 # ---- pipeline -----------------------------------------------------------------------------------------------------

@@ -252,7 +252,7 @@ def test_save_generation_refuses_other_suffixes(tmp_path):
 
 
 def test_interrupted_first_use_is_cleaned_up(tmp_path):
-    """A kill during the first generation leaves `.tiny-v1-PID-*`; the next use removes it and writes the model."""
+    """A kill during the first generation leaves `.tiny-v2-PID-*`; the next use removes it and writes the model."""
     stale = tmp_path / f".{TINY_VERSION}-{dead_pid()}-k1ll3d"
     (stale / "diffusion_models").mkdir(parents=True)
     (stale / "diffusion_models" / "half.safetensors").write_bytes(b"\0" * 4096)

@@ -22,6 +22,7 @@ from ..request.media_files import output_problem
 from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
 from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, step_cache_settings
+from .audio_warnings import print_audio_warnings
 from .progress import DownloadBar, ProgressBar, memory_report
 from .step_cache_flags import STEP_CACHE_NUMBER_FLAGS, step_cache_flags_given
 
@@ -460,6 +461,7 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         pipeline.release_all()
     if result.step_cache is not None:
         say(result.step_cache.summary())
+    print_audio_warnings(result)
     written = write_outputs(out, result, before, say)
     report = memory_report(torch.device(args.device))
     if report:

@@ -56,5 +56,7 @@ def generate_remote(args, request, out, before, say, bar) -> list:
     finally:
         bar.close()
     from ..request.media_files import write_outputs
+    from .audio_warnings import print_audio_warnings
 
+    print_audio_warnings(result)
     return write_outputs(out, result, before, say)

@@ -38,6 +38,7 @@ from ..runtime.platform import Platform, device_problem
 from ..runtime.residency import Residency
 from ..sources.model_sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
                                      transformer_partition)
+from ..request.audio_health import check_audio, raise_audio_errors, warning_line
 from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
                      unpatchify)
 from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
@@ -608,9 +609,15 @@ class H3Pipeline:
         return frames.contiguous()
 
     @serialised
-    def decode_audio(self, latents: Latents, *, check_interrupt: Callable[[], None] | None = None) -> torch.Tensor:
+    def decode_audio(self, latents: Latents, *, check_interrupt: Callable[[], None] | None = None,
+                     audio_warnings: list | None = None) -> torch.Tensor:
         """Audio latents -> waveform [2, N] float32 at 32 kHz on the CPU, trimmed to the video's length.
-        `check_interrupt()` runs between the decoder's stages and blocks and may raise to stop."""
+        `check_interrupt()` runs between the decoder's stages and blocks and may raise to stop.
+
+        The waveform's health is checked (`audio_health`: non-finite, constant or near-constant, silent, DC offset,
+        clipped): an error raises `AudioHealthError` naming the symptom, its likely cause and the fix, before anything
+        can be saved; warnings (audio that may still be usable) are logged, one line each, and appended to
+        `audio_warnings` when a list is given."""
         check_finite_latents(latents.audio, "audio")
         self.enter_phase("audio decode")
         vae = self.component("audio_vae")
@@ -618,13 +625,20 @@ class H3Pipeline:
         if not torch.isfinite(waveform).all():
             raise non_finite_error("the audio VAE", safetensors_files(self.sources.audio_vae), "decoding",
                                    dtype=compute_dtype(vae), config=getattr(vae, "config", None))
-        return waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
+        waveform = waveform[:, : audio_samples_for_frames(latents.shape.num_frames)].contiguous()
+        warnings = raise_audio_errors(check_audio(waveform),
+                                      f"the audio decoded by {self.sources.audio_vae}")
+        for finding in warnings:
+            self.log(warning_line(finding))
+        if audio_warnings is not None:
+            audio_warnings.extend(warnings)
+        return waveform
 
     @serialised
-    def decode(self, latents: Latents, *,
-               check_interrupt: Callable[[], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, latents: Latents, *, check_interrupt: Callable[[], None] | None = None,
+               audio_warnings: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.decode_video(latents, check_interrupt=check_interrupt),
-                self.decode_audio(latents, check_interrupt=check_interrupt))
+                self.decode_audio(latents, check_interrupt=check_interrupt, audio_warnings=audio_warnings))
 
     @serialised
     def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
@@ -645,6 +659,8 @@ class H3Pipeline:
         latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt, step_report=step_report)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
-        frames, waveform = self.decode(latents, check_interrupt=check_interrupt)
+        audio_warnings = []
+        frames, waveform = self.decode(latents, check_interrupt=check_interrupt, audio_warnings=audio_warnings)
         timings["decode"] = time.perf_counter() - started
-        return GenerationResult(frames, waveform, timings=timings, step_cache=latents.step_cache)
+        return GenerationResult(frames, waveform, timings=timings, step_cache=latents.step_cache,
+                                audio_warnings=tuple(audio_warnings))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import H3Error, RemoteError
+from ..request.audio_health import check_audio, raise_audio_errors, warning_line
 from ..request.generation_request import GenerationRequest
 from ..request.generation_result import GenerationResult
 from ..request.grid import AUDIO_SAMPLE_RATE, FPS, audio_samples_for_frames
@@ -293,7 +294,13 @@ class RemoteEngine:
             import torch
 
             waveform = torch.cat([waveform, waveform.new_zeros(2, wanted - waveform.shape[1])], dim=1)
-        return GenerationResult(frames.contiguous(), waveform[:, :wanted].contiguous(), timings=timings)
+        waveform = waveform[:, :wanted].contiguous()
+        # The same audio health check as a local decode, on the server's soundtrack: an error raises before the
+        # result exists (nothing is saved); warnings travel with the result and are logged.
+        warnings = raise_audio_errors(check_audio(waveform, remote=True), f"the soundtrack of {source}")
+        for finding in warnings:
+            self.log(warning_line(finding))
+        return GenerationResult(frames.contiguous(), waveform, timings=timings, audio_warnings=tuple(warnings))
 
 
 class _Settled(RemoteError):

@@ -17,3 +17,6 @@ class GenerationResult:
     sample_rate: int = AUDIO_SAMPLE_RATE
     timings: dict = field(default_factory=dict)
     step_cache: object = None  # the sampler's `StepCacheStats` (None: the step cache was off, or a remote engine)
+    # The audio health check's warnings (`request.audio_health.AudioFinding`s): audio that may still be usable.
+    # Its errors never make a result: they raise `AudioHealthError` before anything is saved.
+    audio_warnings: tuple = ()
