@@ -6,7 +6,7 @@ from comfy_api.latest import io
 
 from . import comfy_runtime
 from .sockets import H3Latent, H3Model
-from .telemetry import phase
+from .telemetry import audio_health_report, phase
 
 
 class H3StreamDecodeAudio(io.ComfyNode):
@@ -17,7 +17,9 @@ class H3StreamDecodeAudio(io.ComfyNode):
             display_name="H3 Decode Audio",
             category="H3 Stream",
             description="Decodes the audio latents into a 32 kHz stereo AUDIO as long as the video "
-                        "({'waveform': [1, 2, T], 'sample_rate': 32000}).",
+                        "({'waveform': [1, 2, T], 'sample_rate': 32000}) and checks its health: NaN/Inf, a constant "
+                        "or near-constant waveform or most samples clipped stop the run here with the symptom and its "
+                        "likely cause; silence, a DC offset or some clipping are warnings in the node's text.",
             inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],
             outputs=[io.Audio.Output(display_name="audio")],
             hidden=[io.Hidden.unique_id],
@@ -30,6 +32,11 @@ class H3StreamDecodeAudio(io.ComfyNode):
         pipeline = h3_model.pipeline
         shape = h3_latent.shape
         plan = pipeline.plan(width=shape.width, height=shape.height, num_frames=shape.num_frames)
-        with phase(cls.hidden.unique_id, h3_model, "audio decode", ("audio decode",), plan):
-            waveform = pipeline.decode_audio(h3_latent, check_interrupt=comfy_runtime.check_interrupt)
+        warnings = []
+        with phase(cls.hidden.unique_id, h3_model, "audio decode", ("audio decode",), plan) as extra:
+            # An audio health error raises here (ComfyUI shows it on this node, nothing downstream saves); warnings
+            # join the node's progress text.
+            waveform = pipeline.decode_audio(h3_latent, check_interrupt=comfy_runtime.check_interrupt,
+                                             audio_warnings=warnings)
+            extra.update(audio_health_report(warnings))
         return io.NodeOutput({"waveform": waveform[None], "sample_rate": AUDIO_SAMPLE_RATE})

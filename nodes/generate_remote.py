@@ -112,5 +112,9 @@ class H3StreamGenerateRemote(io.ComfyNode):
                                  progress=lambda done, total: bar.update_absolute(done, total),
                                  check_interrupt=comfy_runtime.check_interrupt,
                                  on_status=lambda text: comfy_runtime.send_progress_text(node_id, f"remote job {text}"))
+        if result.audio_warnings:  # the engine raised on an audio health error; warnings go in the node's text
+            from h3_core.request.audio_health import warning_line
+
+            comfy_runtime.send_progress_text(node_id, "\n".join(warning_line(f) for f in result.audio_warnings))
         return io.NodeOutput(result.frames, {"waveform": result.waveform[None], "sample_rate": AUDIO_SAMPLE_RATE},
                              float(result.fps))

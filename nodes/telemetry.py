@@ -92,7 +92,18 @@ def summary(report: dict) -> str:
                      f"fold peak {report['lora_fold_peak_bytes'] / 2**20:.1f} MiB")
     if report.get("step_cache"):
         parts.append(report["step_cache"])
-    return f"{report['phase']}: " + ", ".join(parts)
+    text = f"{report['phase']}: " + ", ".join(parts)
+    for line in report.get("audio_warnings", ()):
+        text += "\n" + line
+    return text
+
+
+def audio_health_report(warnings) -> dict:
+    """The report's field for the audio health check's warnings (`AudioFinding`s): one line each, appended to the
+    progress text under the memory figures (none: no field)."""
+    from h3_core.request.audio_health import warning_line
+
+    return {"audio_warnings": [warning_line(finding) for finding in warnings]} if warnings else {}
 
 
 def step_cache_report(stats) -> dict:

@@ -47,14 +47,21 @@ def source_frames(num_frames: int, height: int, width: int) -> np.ndarray:
     return np.clip(np.stack(frames), 0, 255).astype(np.uint8)
 
 
-def source_audio(num_samples: int, rate: int) -> np.ndarray:
+def source_audio(num_samples: int, rate: int, soundtrack: str = "tones") -> np.ndarray:
+    """Two test tones; or a bad soundtrack for the audio health check (what a broken server decoder would send):
+    "constant-1" (every sample -1.0), "zeros", "dc" (the tones on a +0.3 offset), "clipped" (the tones 1.5 x over full
+    scale, a third of the samples on the rails), "quiet" (the tones at -70 dBFS)."""
     t = np.arange(num_samples) / rate
-    return np.stack([0.4 * np.sin(2 * np.pi * 440 * t), 0.4 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
+    tones = np.stack([0.4 * np.sin(2 * np.pi * 440 * t), 0.4 * np.sin(2 * np.pi * 660 * t)])
+    shaped = {"tones": lambda: tones, "constant-1": lambda: np.full_like(tones, -1.0),
+              "zeros": lambda: np.zeros_like(tones), "dc": lambda: tones + 0.3,
+              "clipped": lambda: np.clip(tones * 3.75, -1.0, 1.0), "quiet": lambda: tones * 10 ** (-70 / 20) / 0.4}
+    return shaped[soundtrack]().astype(np.float32)
 
 
 @functools.lru_cache(maxsize=16)
 def make_mp4(num_frames: int = FRAMES, width: int = WIDTH, height: int = HEIGHT, fps: int = 24,
-             sample_rate: int = 32000, audio: bool = True) -> bytes:
+             sample_rate: int = 32000, audio: bool = True, soundtrack: str = "tones") -> bytes:
     import av
 
     buffer = io.BytesIO()
@@ -73,7 +80,7 @@ def make_mp4(num_frames: int = FRAMES, width: int = WIDTH, height: int = HEIGHT,
             container.mux(packet)
         if sound is not None:
             samples = int(np.ceil(sample_rate / fps * num_frames))
-            block = av.AudioFrame.from_ndarray(source_audio(samples, sample_rate), format="fltp", layout="stereo")
+            block = av.AudioFrame.from_ndarray(source_audio(samples, sample_rate, soundtrack), format="fltp", layout="stereo")
             block.sample_rate = sample_rate
             for packet in sound.encode(block):
                 container.mux(packet)

@@ -66,6 +66,8 @@ CLIP_LEVEL = 0.999  # the decoder's clamp rail (+-1.0), with room for an AAC rou
 CLIP_WARNING_SHARE = 0.01
 CLIP_ERROR_SHARE = 0.5
 
+EDGE_SAMPLES = 4096  # 128 ms at each end left out of the level statistics (see check_audio)
+
 CHANNEL_NAMES = ("left", "right")
 
 
@@ -130,17 +132,26 @@ def check_audio(waveform: torch.Tensor, *, remote: bool = False) -> list[AudioFi
     x = waveform.detach()
     if x.dtype not in (torch.float32, torch.float64):
         x = x.float()
-    var, mean = torch.var_mean(x, dim=1, correction=0)
-    if not bool(torch.isfinite(var).all()):  # any NaN or Inf makes a channel's mean or variance non-finite
+    low, high = torch.aminmax(x, dim=1)  # over the whole clip: a NaN or an Inf anywhere shows in these
+    if not bool(torch.isfinite(low).all() and torch.isfinite(high).all()):
         return [_non_finite(x, words)]
-    low, high = torch.aminmax(x, dim=1)
+    # The level statistics skip the clip's edges: an AAC soundtrack ramps in and out there (a constant -1.0 sent
+    # through AAC differs from its level in its first and last ~2600 samples).
+    edge = EDGE_SAMPLES if x.shape[1] > 4 * EDGE_SAMPLES else 0
+    body = x[:, edge: x.shape[1] - edge]
+    var, mean = torch.var_mean(body, dim=1, correction=0)
     var, mean, low, high = var.tolist(), mean.tolist(), low.tolist(), high.tolist()
     stds = [math.sqrt(v) for v in var]
     rms = [math.sqrt(v + m * m) for v, m in zip(var, mean)]
     findings = []
 
-    constant = [i for i in range(len(var)) if high[i] - low[i] < SIXTEEN_BIT_STEP]
-    near = [i for i in range(len(var)) if i not in constant and stds[i] < NEAR_CONSTANT_STD
+    quiet = [i for i in range(len(var)) if stds[i] < NEAR_CONSTANT_STD]
+    spans = {}
+    if quiet:  # rare: the body's own peak-to-peak, for the channels that hardly move
+        body_low, body_high = torch.aminmax(body[quiet], dim=1)
+        spans = dict(zip(quiet, (body_high - body_low).tolist()))
+    constant = [i for i in quiet if spans[i] < SIXTEEN_BIT_STEP]
+    near = [i for i in quiet if i not in constant
             and abs(mean[i]) >= max(DC_MIN_LEVEL, NEAR_CONSTANT_LEVEL_RATIO * stds[i])]
     if constant:
         findings.append(_constant(constant, [mean[i] for i in constant], len(var), words))
@@ -171,7 +182,7 @@ def check_audio(waveform: torch.Tensor, *, remote: bool = False) -> list[AudioFi
             {"mean": [mean[i] for i in offsets], "rms": [rms[i] for i in offsets]}))
 
     if max(high) >= CLIP_LEVEL or min(low) <= -CLIP_LEVEL:
-        clipped = [i for i in range(len(var)) if i not in constant]
+        clipped = [i for i in range(len(var)) if i not in stuck]
         if clipped:
             share = float((x[clipped].abs() >= CLIP_LEVEL).sum()) / (len(clipped) * x.shape[1])
             if share >= CLIP_ERROR_SHARE:
