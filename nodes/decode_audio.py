@@ -17,9 +17,7 @@ class H3StreamDecodeAudio(io.ComfyNode):
             display_name="H3 Decode Audio",
             category="H3 Stream",
             description="Decodes the audio latents into a 32 kHz stereo AUDIO as long as the video "
-                        "({'waveform': [1, 2, T], 'sample_rate': 32000}) and checks its health: NaN/Inf, a constant "
-                        "or near-constant waveform or most samples clipped stop the run here with the symptom and its "
-                        "likely cause; silence, a DC offset or some clipping are warnings in the node's text.",
+                        "({'waveform': [1, 2, T], 'sample_rate': 32000}).",
             inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],
             outputs=[io.Audio.Output(display_name="audio")],
             hidden=[io.Hidden.unique_id],

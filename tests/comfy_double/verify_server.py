@@ -3,7 +3,10 @@
     <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload]
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
-`--only-unload` runs only the model-management check below (for iterating on it).
+`--only-unload` runs only the model-management check below (for iterating on it); `--only-remote-refused` (or its
+alias `--only-audio-health`) only the two checks of issue 29: the remote example pointed at a closed port must end in
+the node's "refused" error within 2 s of queueing, and the tiny example must run with no audio health message on
+Decode Audio.
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -333,6 +336,59 @@ def watch_run(server: str, prompt: dict, interrupt_when=None) -> dict:
     return seen
 
 
+REFUSED_URL = "http://127.0.0.1:9"  # the discard port: nothing listens there on a test machine
+REFUSED_WITHIN_S = 2.0
+
+
+def remote_refused(server: str) -> bool:
+    """The remote example pointed at a closed port: its run must end in the node's error naming the refused
+    connection within 2 s of queueing (issue 29: a refused connection is not retried)."""
+    import asyncio
+
+    import aiohttp
+
+    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json").read_text()),
+                        REFUSED_URL)
+
+    async def run() -> tuple[float, str, str]:
+        client = str(uuid.uuid4())
+        async with aiohttp.ClientSession() as session:
+            socket = await session.ws_connect(f"{server.replace('http', 'ws', 1)}/ws?clientId={client}")
+            started = time.perf_counter()
+            async with session.post(f"{server}/prompt", json={"prompt": prompt, "client_id": client}) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+            async for message in socket:
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    continue
+                data = json.loads(message.data)
+                body = data.get("data", {})
+                if body.get("prompt_id") == prompt_id and data.get("type") in ("execution_success", "execution_error",
+                                                                                "execution_interrupted"):
+                    return time.perf_counter() - started, data["type"], str(body.get("exception_message", ""))
+        return float("inf"), "socket closed", ""
+
+    elapsed, ended, message = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    ok = ended == "execution_error" and "refused" in message and elapsed < REFUSED_WITHIN_S
+    print(f"remote node at a closed port ({REFUSED_URL}): {ended} {elapsed:.2f} s after queueing (goal < "
+          f"{REFUSED_WITHIN_S:g} s): {message[:200]!r}{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
+def audio_is_healthy(server: str, example: dict) -> bool:
+    """The tiny example runs with no audio health message: the Decode Audio node's progress text is its memory
+    figures only (a warning would be a line under them; an error would end the run)."""
+    prompt = json.loads(json.dumps(example))
+    decoder = next(k for k, v in prompt.items() if v["class_type"] == "H3StreamDecodeAudio")
+    sampler = next(k for k, v in prompt.items() if v["class_type"] == "H3StreamAVSampler")
+    prompt[sampler]["inputs"]["seed"] = int(time.time()) + 1  # not a cached result
+    seen = watch_run(server, prompt)
+    texts = seen["texts"].get(decoder, [])
+    ok = seen["ended"] == "execution_success" and bool(texts) and not any("audio warning" in t for t in texts)
+    print(f"audio health on the tiny example: {seen['ended']}; Decode Audio's text {texts[-1:]}"
+          f"{'' if ok else '  <-- FAILED'}")
+    return ok
+
+
 def cached_prompt(example: dict, preset: str, **request) -> tuple[dict, str]:
     """The tiny example with its sampler at step_cache `preset` and CACHED_STEPS (a fresh seed: it must run), its
     encoder's canvas and duration changed by `request`; and the sampler's node id."""
@@ -502,14 +558,19 @@ def start_engines(work: Path) -> list:
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if a != "--only-unload"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--only-")]
     server, output_dir = args[0].rstrip("/"), Path(args[1])
-    pid = int(args[2]) if len(args) > 2 else server_pid(server)
     info = call(f"{server}/object_info")
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
     tiny = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    if "--only-unload" not in sys.argv:
+        failures += not remote_refused(server)
+        failures += not audio_is_healthy(server, tiny)
+    if "--only-remote-refused" in sys.argv or "--only-audio-health" in sys.argv:
+        return 1 if failures else 0
+    pid = int(args[2]) if len(args) > 2 else server_pid(server)
     failures += not unload_frees_and_reloads(server, tiny, pid)
     if "--only-unload" in sys.argv:
         return 1 if failures else 0
