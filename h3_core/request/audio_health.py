@@ -19,10 +19,11 @@ ComfyUI core (`comfy/ldm/minimax/audio_vae.py`, `.clamp_(-1.0, 1.0)`) and here (
 * exact zeros need zero weights or a path that never reached the decoder: a sampled latent drives the SnakeBeta /
   convolution stack to a waveform that moves.
 
-Measured outputs (`benchmarks/audio_health.py --stats` prints them): the tiny random model's decode of sampled latents
-is noise at about -20 dBFS RMS, DC below 1 % of its RMS, no sample at the rails (before its final convolution was
-scaled to that, tiny-v1 put 85 % of its samples on the rails: the check's clipping error, rightly); the released-width
-decoder with synthetic weights is noise of the same kind. The released weights cannot be measured here (they are not
+Measured outputs (`benchmarks/audio_health.py` prints them): the tiny random model's decode of normal latents is
+noise at about -21 dBFS RMS, DC 0.5 % of its RMS, peaks near 0.53, nothing on the rails (tiny-v1, before its final
+convolution was scaled to that, put 85 % of its samples on the rails: the check's clipping error, rightly); the
+released-width decoder with synthetic weights (scaled 0.5 / sqrt(fan_in)) makes -62 dBFS noise, which the check calls
+silence (a warning about those weights). The released weights cannot be measured here (they are not
 downloaded by this pack's checks), so the margins come from what good audio looks like at 32 kHz over H3's 4 to 15 s:
 
 * constant (error): a channel whose peak-to-peak is under one 16-bit step (2 / 65536 = 3.1e-5) is a constant in the
