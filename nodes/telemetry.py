@@ -93,14 +93,14 @@ def summary(report: dict) -> str:
     if report.get("step_cache"):
         parts.append(report["step_cache"])
     text = f"{report['phase']}: " + ", ".join(parts)
-    for line in report.get("audio_warnings", ()):
-        text += "\n" + line
-    return text
+    # The audio health warnings come first: the frontend shows the progress text's first line (the memory figures
+    # stay in the badge).
+    return "\n".join([*report.get("audio_warnings", ()), text])
 
 
 def audio_health_report(warnings) -> dict:
-    """The report's field for the audio health check's warnings (`AudioFinding`s): one line each, appended to the
-    progress text under the memory figures (none: no field)."""
+    """The report's field for the audio health check's warnings (`AudioFinding`s): one line each, put before the
+    memory figures in the progress text (none: no field)."""
     from h3_core.request.audio_health import warning_line
 
     return {"audio_warnings": [warning_line(finding) for finding in warnings]} if warnings else {}
