@@ -21,7 +21,7 @@ class H3StreamLoader(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamLoader",
             display_name="Load H3 (residency, legacy)",
-            category="H3 Stream",
+            category="H3 Stream/loaders",
             description="Superseded by Load H3 (memory profiles, source-specific inputs); kept so that saved "
                         "workflows still load and run. Points at an H3 model and chooses, per component, whether "
                         "its weights stay on the device or stream block by block from host memory.",

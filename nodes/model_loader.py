@@ -22,7 +22,7 @@ class H3StreamModelLoader(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamModelLoader",
             display_name="Load H3",
-            category="H3 Stream",
+            category="H3 Stream/loaders",
             description="Points at an H3 model and plans its memory: pick a memory profile (your GPU or Mac, or what "
                         "is free now) and the node shows, before anything loads, which components stream block by "
                         "block and what the weights need; or set every value by hand with custom. Loads nothing "

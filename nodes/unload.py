@@ -14,7 +14,7 @@ class H3StreamUnload(RunsEveryTime, io.ComfyNode):
         return io.Schema(
             node_id="H3StreamUnload",
             display_name="H3 Unload",
-            category="H3 Stream",
+            category="H3 Stream/memory",
             description="Releases the H3 components this model has loaded (device copies, host stores and memory "
                         "maps) and empties the device cache. Connect 'after' to run it last.",
             inputs=[H3Model.Input("h3_model"),

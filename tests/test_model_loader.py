@@ -73,8 +73,9 @@ def test_the_auto_profile_plans_from_the_free_memory_and_shows_the_preflight_on_
     # Also the node's UI output: ComfyUI sends it again on runs that take the loader from its cache.
     assert result.ui["1"] == {"h3_stream_preflight": [preflight]}
     assert pack["H3StreamModelLoader"].GET_SCHEMA().has_intermediate_output
-    assert preflight.startswith(f"memory_profile {AUTO}: plans for 0.22 GiB of the free memory, at the weights "
-                                "alone (1344x768, 5 s does not fit): text_encoder resident, transformer resident")
+    assert preflight.startswith(f"memory_profile {AUTO}, planned for 0.22 GiB free: all weights stay loaded. "
+                                "Estimated peak ") and preflight.endswith(
+        "at the weights alone (1344x768, 5 s does not fit); each run is planned again for its own size.")
     sampler, = [text for text in texts("3") if text.startswith("memory_profile")]
     assert sampler.startswith(f"memory_profile {AUTO}: this request needs about ") and "transformer fused" in sampler
 

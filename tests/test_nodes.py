@@ -613,7 +613,7 @@ def test_the_progress_text_shows_each_call_and_the_badge_the_cached_steps(pack, 
     off_badge, = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
     assert not {key for key in off_badge if key.startswith("step_cache")}
     assert [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"] == \
-        [f"sampling: device peak n/a, host peak {off_badge['peak_host_bytes'] / 2**30:.2f} GiB, 0/2 blocks resident"]
+        [f"sampling: peak RAM {off_badge['peak_host_bytes'] / 2**30:.2f} GiB, 0 of 2 blocks kept loaded, the rest streamed"]
 
 
 def test_a_cancelled_cached_run_leaves_the_sampler_usable(pack, recorders):
@@ -751,7 +751,15 @@ def test_locales_and_help_pages_cover_every_node_and_input(pack):
             if lang == "en":
                 assert entry["display_name"] == schema.display_name and entry["description"] == schema.description
         main = json.loads((ROOT / "locales" / lang / "main.json").read_text(encoding="utf-8"))
-        assert "H3 Stream" in main["nodeCategories"]
+        # Nested categories like core's (`H3 Stream/loaders`, ...): every segment core does not name is translated.
+        for node_class in pack.values():
+            top, *rest = node_class.GET_SCHEMA().category.split("/")
+            assert top == "H3 Stream" and len(rest) == 1, node_class
+            assert top in main["nodeCategories"]
+        # The template browser's card titles and descriptions: one for each example workflow.
+        examples = sorted(p.stem for p in (ROOT / "example_workflows").glob("*.json"))
+        cards = main["templateWorkflows"]
+        assert sorted(cards["template"]["h3-stream"]) == examples == sorted(cards["templateDescription"]["h3-stream"])
     for node_id in pack:
         assert (ROOT / "web" / "docs" / f"{node_id}.md").read_text().startswith("# ")
         assert (ROOT / "web" / "docs" / node_id / "zh.md").read_text(encoding="utf-8").startswith("# ")
