@@ -32,7 +32,8 @@ export const GROWING = [["ref_image_", 9, "IMAGE"], ["ref_video_", 3, "VIDEO"], 
 const GROWING_NODES = new Set(["H3StreamReferenceMedia", "H3StreamReferences"]);
 // The progress-text box: 12 px text, 16 px lines, 8 px padding above and below, the widget's 10 px margin.
 const LINE_HEIGHT = 16;
-const TEXT_CHROME = 16 + 10;
+const TEXT_CHROME = 16 + 20;
+const WIDGET_GAP = 4;
 const TEXT_SIDE_PADDING = 32 + 20;
 
 let deviceType = null; // "cpu" | "cuda" | "mps", from /system_stats
@@ -91,7 +92,11 @@ export function fitText(node) {
   }
   if (node.h3StreamBaseHeight === undefined) node.h3StreamBaseHeight = node.size[1];
   const lines = wrapLines(text, node.size[0] - TEXT_SIDE_PADDING).length;
-  node.setSize?.([node.size[0], node.h3StreamBaseHeight + lines * LINE_HEIGHT + TEXT_CHROME]);
+  const height = lines * LINE_HEIGHT + TEXT_CHROME;
+  // The box takes exactly its text's height (the frontend otherwise shares the node's free height between it and
+  // the other growing widgets, which squeezed the prompt box), and the node grows by as much.
+  widget.computeLayoutSize = () => ({ minHeight: height, maxHeight: height, minWidth: 0, maxWidth: 1e6 });
+  node.setSize?.([node.size[0], node.h3StreamBaseHeight + height + WIDGET_GAP]);
   node.setDirtyCanvas?.(true, true);
 }
 
