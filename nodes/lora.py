@@ -45,7 +45,7 @@ class H3StreamLoRA(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamLoRA",
-            display_name="H3 LoRA",
+            display_name="H3 LoRA Loader",
             category="H3 Stream/loaders",
             description="Adds a LoRA to the H3 transformer with a strength; chain several. Nothing reloads: the "
                         "sampler applies the set. Steps and shifts the LoRA recommends are shown here, not set.",

@@ -66,7 +66,7 @@ class MemorySettings:
 
     @classmethod
     def from_profile_widgets(cls, memory_profile: dict, sources, *, dtype: str, device, free_bytes):
-        """Load H3's `memory_profile` dynamic combo -> (settings, the preflight shown on the node, the plan's details
+        """H3 Loader's `memory_profile` dynamic combo -> (settings, the preflight shown on the node, the plan's details
         for the log): a named profile planned from the checkpoint headers (`auto` within what `free_bytes(device)`
         reports), or every value by hand (`custom`); refused in the widgets' words where the platform's admission
         rules refuse it."""
@@ -95,7 +95,7 @@ class MemorySettings:
         return settings, preflight, details
 
     def plain_description(self) -> str:
-        """The custom profile's values as Load H3 shows them: what stays loaded, what streams, the chunk size and
+        """The custom profile's values as H3 Loader shows them: what stays loaded, what streams, the chunk size and
         the budget, in words (`describe` is the log's line)."""
         from h3_core.planning.memory_profiles import PLAIN_NAMES, _joined
 

@@ -1,4 +1,4 @@
-"""Load H3 (H3StreamModelLoader): a source that brings only its own inputs and a memory profile, as ComfyUI runs them
+"""H3 Loader (H3StreamModelLoader): a source that brings only its own inputs and a memory profile, as ComfyUI runs them
 from API-format prompts (`source`, `source.partition`, `memory_profile`, `memory_profile.<widget>` keys: what the
 real frontend queues, see tests/test_workflows.py for the UI format) through the test double's executor."""
 
@@ -159,7 +159,7 @@ def test_an_unknown_source_or_profile_passes_comfyuis_validation_and_is_named_wh
     executor.validate(prompt)
     with pytest.raises(H3Error) as refused:
         executor.run(prompt)
-    assert str(refused.value) == f"{name} {value!r} is not one of {choices}; choose one on Load H3."
+    assert str(refused.value) == f"{name} {value!r} is not one of {choices}; choose one on H3 Loader."
 
 
 def test_a_source_shows_only_its_own_inputs_and_a_missing_one_is_named(pack, executor):

@@ -325,7 +325,7 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
 
     # The bar appears at 0 when sampling starts, then one update per transformer step (steps - 1 = 2).
     assert recorders["progress"] == [("3", 0, 2), ("3", 1, 2), ("3", 2, 2)]
-    # The memory badge: one message per H3 node, the sampler's with the block counts, and the same as progress text.
+    # The memory report: one message per H3 node, the sampler's with the block counts, and its plain-words line as progress text.
     badges = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
     assert [b["node"] for b in badges] == ["2", "3", "4", "5"]
     sampler_badge = badges[1]
@@ -333,7 +333,7 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
     assert sampler_badge["resident_blocks"] == 0  # layerwise offload, no resident blocks
     assert all(b["peak_host_bytes"] > 0 for b in badges)
     texts = [data for event, data, _ in recorders["messages"] if event == "progress_text"]
-    assert [t["node"] for t in texts] == ["2", "3", "4", "5"] and "0/2 blocks resident" in texts[1]["text"]
+    assert [t["node"] for t in texts] == ["2", "3", "4", "5"] and "0 of 2 blocks kept loaded, the rest streamed" in texts[1]["text"]
     # Model management: the device cache is emptied after every phase; ComfyUI is asked to free room before each
     # node's phases, the streamed ones included (what each allocates: tests/test_model_management.py).
     assert recorders["mm"].soft_empty_cache_calls == 4
@@ -681,7 +681,8 @@ def test_lora_nodes_chain_on_copies_of_the_handle(pack, recorders, tmp_path):
     assert both.pipeline is base.pipeline and both.settings is base.settings  # nothing reloaded
     assert not base.pipeline._loaded  # and nothing loaded: the sampler applies the set
     texts = [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"]
-    assert texts[0].startswith(f"LoRA {TINY_LORA} x0.5") and "recommends steps 9" in texts[0]  # shown, not set
+    assert texts[0].startswith(f"LoRA {TINY_LORA} at strength 0.5;") and "recommends steps 9" in texts[0]  # shown, not set
+    assert "module names" not in texts[0]  # the model's own key names: nothing converted, nothing said
 
 
 def test_sampling_with_a_lora_differs_and_strength_zero_is_the_base_model(pack):

@@ -124,7 +124,7 @@ def test_memory_badge_and_mps_only_widgets(tmp_path):
     assert all(y > result["node_height"] for _, y in result["drawn"])
     # A run that starts, fails or is cancelled clears the badges of the previous one.
     assert [result[f"after_{e}"] for e in ("execution_start", "execution_error", "execution_interrupted")] == [None] * 3
-    # Load H3's preflight (its UI output, sent again by ComfyUI while the loader is cached): kept across runs, drawn
+    # H3 Loader's preflight (its UI output, sent again by ComfyUI while the loader is cached): kept across runs, drawn
     # under the node wrapped to its width (300 px here, 6 px a character in the stand-in).
     lines = result["preflight_lines"]
     assert " ".join(text for text, _ in lines) == result["preflight"] and len(lines) > 1

@@ -1,10 +1,10 @@
 // h3-stream web extension. Optional: every node works from API-format prompts without a browser; documented hooks
 // only. What it does for the pack's nodes:
-//  * one place for a node's text: the frontend's own progress-text box (the plan on Load H3, the memory figures on
+//  * one place for a node's text: the frontend's own progress-text box (the plan on H3 Loader, the memory figures on
 //    the others), kept readable (numbers and words never broken) and inside the node, which grows to fit it instead
 //    of squeezing the node's own widgets (H3 Text Encode's prompt);
 //  * that text belongs to one run: cleared when a run starts; a failed or cancelled node says so instead of
-//    showing its last partial progress; Load H3's plan comes back on every run (its UI output, sent again while the
+//    showing its last partial progress; H3 Loader's plan comes back on every run (its UI output, sent again while the
 //    loader is cached), so it is there when a later node fails;
 //  * MPS-only options hidden off Apple MPS, also those a dynamic combo adds later (the custom memory profile);
 //  * freshly added nodes wide enough for their widgets' labels and values;
@@ -23,7 +23,7 @@ const NODE_IDS = new Set([
 export const TEXT_WIDGET = "$$node-text-preview";
 // Widgets that only do something on Apple MPS (unified memory); a dynamic combo's members carry its name as prefix.
 const MPS_ONLY_SUFFIX = "mps_reclaim_every";
-// Narrowest width of a freshly added node, so that labels and values fit (Load H3's source values are long).
+// Narrowest width of a freshly added node, so that labels and values fit (H3 Loader's source values are long).
 const MIN_WIDTH = { H3StreamModelLoader: 400, H3StreamEncodePrompt: 400, H3StreamAVSampler: 320,
                     H3StreamReferenceMedia: 320, H3StreamLoRA: 360, H3StreamGenerateRemote: 380 };
 const DEFAULT_MIN_WIDTH = 300;
@@ -193,7 +193,7 @@ export function growSockets(node) {
 }
 
 function watchNode(node) {
-  // Load H3's plan: its UI output, sent on every run (again while the loader is cached).
+  // H3 Loader's plan: its UI output, sent on every run (again while the loader is cached).
   const executed = node.onExecuted;
   node.onExecuted = function (output) {
     executed?.apply(this, arguments);

@@ -9,7 +9,7 @@ Checks: `/object_info` lists the pack's node ids; each prompt in example_workflo
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
 outputs exist as non-empty files in the output folder.
 Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0, an unknown
-source or memory profile, a partition spelled ref2va; with Load H3 and with the legacy loader) are refused with HTTP 400
+source or memory profile, a partition spelled ref2va; with H3 Loader and with the legacy loader) are refused with HTTP 400
 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
 The remote-engine example runs against SGLang's and vLLM-Omni's own servers (tests/engine_servers.py, started here from
@@ -45,7 +45,7 @@ NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3St
             "H3StreamAVSampler", "H3StreamReferenceMedia"]
 
 
-# The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
+# The custom memory profile's widgets, and a legacy loader's (workflows saved before H3 Loader).
 CUSTOM = {"transformer_residency": "LAYERWISE_OFFLOAD", "text_encoder_residency": "LAYERWISE_OFFLOAD",
           "video_vae_residency": "RESIDENT", "audio_vae_residency": "RESIDENT", "prefetch": -1, "resident_blocks": 0,
           "chunk_size": 0, "memory_budget_mib": 0, "mps_reclaim_every": 0}
