@@ -92,6 +92,8 @@ def test_a_request_too_large_for_the_profile_is_refused_by_the_sampler_in_its_wi
                               "this request does not fit a 0.22 GiB budget: the video decode phase needs about")
     assert message.endswith(". Set a smaller width / height / seconds, or a larger memory_profile on the loader.")
     assert "\n" not in message
+    # Its first line stands alone: no plan "below" that the node does not show, one piece of advice.
+    assert "below" not in message and "raise the budget" not in message
 
 
 def test_custom_brings_the_hand_set_widgets_and_refuses_resident_components_on_mps(pack):

@@ -433,11 +433,11 @@ class MemoryPlan:
         if kept:
             advice.append(f"do not keep {' / '.join(kept)}")
         advice.append("raise the budget")
-        # The problem and its fix come first, the plan they were computed from last, under its own heading: a
-        # surface that shows only the first lines (a node's error toast) still reads as a whole.
+        # One line each: the problem, its fix, then the plan they were computed from under its own heading; a
+        # surface that shows only the first line (a node, which gives its own advice) still reads as a whole.
         return (f"this request does not fit a {format_bytes(budget)} {what}: the {phase.name} phase needs about "
                 f"{needs}; most of it is {_items(biggest)}"
-                + (f" (also over: {', '.join(also)})" if also else "") + ". "
+                + (f" (also over: {', '.join(also)})" if also else "") + ".\n"
                 + ", ".join(advice[:-1]).capitalize() + f", or {advice[-1]}.\nThe plan this was checked against:\n"
                 + self.describe())
 
