@@ -243,8 +243,24 @@ app.registerExtension({
         fitText(node);
       }, 0);
     });
-    // A node's text belongs to the run that wrote it.
-    api.addEventListener("execution_start", () => ourNodes().forEach(clearText));
+    // A node's text belongs to the run that wrote it: cleared when a run starts, given back to the nodes that run
+    // takes from ComfyUI's cache (same inputs, same result; they send nothing new).
+    let previous = new Map();
+    api.addEventListener("execution_start", () => {
+      previous = new Map();
+      for (const node of ourNodes()) {
+        const text = textWidgetOf(node)?.value;
+        if (text) previous.set(String(node.id), String(text).replaceAll("\u2060", ""));
+        clearText(node);
+      }
+    });
+    api.addEventListener("execution_cached", ({ detail }) => {
+      for (const id of detail?.nodes ?? []) {
+        const node = nodeById(id);
+        const text = previous.get(String(id));
+        if (node && text && !textWidgetOf(node)) showText(node, text);
+      }
+    });
     for (const [event, words] of [["execution_error", "failed: see the error message"],
                                   ["execution_interrupted", "cancelled"]]) {
       api.addEventListener(event, ({ detail }) => {
