@@ -435,11 +435,17 @@ def kept_weights_bytes(history: dict, loader: str) -> tuple[int, list[str]]:
     from h3_core.sources.model_sources import resolve_model
     from h3_core.sources.tiny_default import ensure_tiny_model
 
+    from h3_core.planning.memory_profiles import PLAIN_NAMES
+
     preflight = " ".join(history["outputs"].get(loader, {}).get("h3_stream_preflight", []))
+    # "... planned for X: all weights stay loaded. ..." or "...: text encoder and transformer stream block by block;
+    # video VAE and audio VAE stay loaded. ..."
+    placed = preflight.split(": ", 1)[-1].split(". Estimated")[0]
+    staying = " ".join(part for part in placed.split("; ") if part.endswith("stay loaded"))
     sources = resolve_model(ensure_tiny_model(), partition="fl2va")
     kept, total = [], 0
     for name in ("text_encoder", "transformer", "video_vae", "audio_vae"):
-        if f"{name} resident" in preflight:
+        if "all weights stay loaded" in staying or PLAIN_NAMES[name] in staying:
             path = Path(getattr(sources, name))
             kept.append(name)
             total += path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*.safetensors"))
