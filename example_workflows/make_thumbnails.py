@@ -20,15 +20,16 @@ MUTED = (150, 156, 175)
 
 # workflow file -> (title, what goes in, what comes out, accent colour, footnote)
 CARDS = {
-    "h3_stream_t2va_tiny": ("Text to video + audio", ["prompt"], "tiny test model: checks an install"),
-    "h3_stream_t2va_turbo_tiny": ("Turbo LoRA, few steps", ["prompt", "LoRA"], "9 steps with a turbo LoRA"),
-    "h3_stream_fl2va_tiny": ("First + last frame", ["first frame", "last frame"], "keyframes fix both ends"),
-    "h3_stream_ref2va_tiny": ("References to video", ["images", "videos", "audio"], "Ref2VA: up to 9 + 3 + 3"),
-    "h3_stream_remote_t2va": ("Remote server", ["prompt", "SGLang / vLLM"], "runs on an H3 server's GPUs"),
+    "H3 - Text to Video and Audio": ("Text to video + audio", ["prompt"], "tiny test model: checks an install"),
+    "H3 - Turbo LoRA Text to Video": ("Turbo LoRA, few steps", ["prompt", "LoRA"], "9 steps with a turbo LoRA"),
+    "H3 - First and Last Frame to Video": ("First + last frame", ["first frame", "last frame"],
+                                           "keyframes fix both ends"),
+    "H3 - References to Video": ("References to video", ["images", "videos", "audio"], "Ref2VA: up to 9 + 3 + 3"),
+    "H3 - Text to Video on a Remote Server": ("Remote server", ["prompt", "SGLang / vLLM"], "runs on an H3 server's GPUs"),
 }
-ACCENTS = {"h3_stream_t2va_tiny": (64, 156, 255), "h3_stream_t2va_turbo_tiny": (255, 170, 60),
-           "h3_stream_fl2va_tiny": (120, 210, 120), "h3_stream_ref2va_tiny": (200, 130, 255),
-           "h3_stream_remote_t2va": (80, 210, 210)}
+ACCENTS = {"H3 - Text to Video and Audio": (64, 156, 255), "H3 - Turbo LoRA Text to Video": (255, 170, 60),
+           "H3 - First and Last Frame to Video": (120, 210, 120), "H3 - References to Video": (200, 130, 255),
+           "H3 - Text to Video on a Remote Server": (80, 210, 210)}
 
 
 def font(size: int) -> ImageFont.FreeTypeFont:

@@ -152,7 +152,7 @@ def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
 def core_latent_prompt() -> dict:
     """The tiny T2VA example with its latent sent through core's nodes between sampler and decoders: H3 Latent to
     Core -> Separate AV Latent -> Concat AV Latent -> H3 Latent from Core."""
-    prompt = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    prompt = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     sampler = next(node for node, spec in prompt.items() if spec["class_type"] == "H3StreamAVSampler")
     prompt.update({
         "90": {"class_type": "H3StreamLatentToCore", "inputs": {"h3_latent": [sampler, 0]}},
@@ -180,11 +180,11 @@ def pointed_at(prompt: dict, url: str, steps: int | None = None) -> dict:
 
 
 def prompts(remote_urls: list[str]) -> list[tuple[str, dict]]:
-    remote = PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json"
+    remote = PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json"
     examples = [(path.name, json.loads(path.read_text()))
                 for path in sorted((PACK / "example_workflows" / "api").glob("*.json")) if path != remote]
     examples += [(f"{remote.name} on {url}", pointed_at(json.loads(remote.read_text()), url)) for url in remote_urls]
-    legacy = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    legacy = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     loader = next(k for k, v in legacy.items() if v["class_type"] == "H3StreamModelLoader")
     legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
     for spec in legacy.values():
@@ -202,7 +202,7 @@ def remote_cancel(server: str, engine) -> bool:
     aborts the job."""
     deletes = len(engine.requests("DELETE", "/v1/videos/"))
     polls = len(engine.requests("GET", "/v1/videos/"))
-    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json").read_text()),
+    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json").read_text()),
                         engine.url, steps=200)
     call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
     deadline = time.time() + 120
@@ -515,7 +515,7 @@ def main() -> int:
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
-    tiny = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    tiny = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     failures += not unload_frees_and_reloads(server, tiny, pid)
     if "--only-unload" in sys.argv:
         return 1 if failures else 0
@@ -543,7 +543,7 @@ def main() -> int:
     for engine in engines:
         failures += not remote_cancel(server, engine)
         engine.__exit__(None, None, None)
-    example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    example = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
     encoder = next(k for k, v in example.items() if v["class_type"] == "H3StreamEncodePrompt")
