@@ -94,7 +94,8 @@ result.box_height = box.computeLayoutSize().minHeight;
 result.lines = web.wrapLines(box.value, sampler.size[0] - 52).length;
 // Load H3's plan (its UI output, sent again while the loader is cached) goes into the same box.
 const loader = app.graph._nodes[0];
-loader.onExecuted({ h3_stream_preflight: ["memory_profile 24 GB GPU, planned for 21.60 GiB of 24 GiB: all weights stay loaded."] });
+const plan = "memory_profile 24 GB GPU, planned for 21.60 GiB of 24 GiB: all weights stay loaded.";
+loader.onExecuted({ h3_stream_preflight: [plan] });
 result.plan = loader.widgets.find((w) => w.name === TEXT)?.value.replaceAll("\\u2060", "");
 // A run starts: every text goes and the nodes get their height back; a cached node gets its text back.
 api.dispatch("execution_start", {});
@@ -152,8 +153,9 @@ def test_node_text_mps_only_widgets_widths_and_growing_references(tmp_path):
     assert r["cpu_other_touched"] == "undefinedundefined"  # other packs' nodes are left alone
     assert r["cpu_loader_width"] >= 400  # a fresh loader is wide enough for its source values
     # The text: word joiners between the characters of each word (the box breaks anywhere otherwise), same words.
-    assert r["text"].replace("\u2060", "") == "sampling: peak RAM 0.61 GiB, 0 of 2 blocks kept loaded, the rest streamed"
-    assert "0\u2060.\u20606\u20601" in r["text"] and r["unbreakable"] == "p\u2060e\u2060a\u2060k 0\u2060.\u20606\u20604 G\u2060i\u2060B"
+    words = "sampling: peak RAM 0.61 GiB, 0 of 2 blocks kept loaded, the rest streamed"
+    assert r["text"].replace("\u2060", "") == words and "0\u2060.\u20606\u20601" in r["text"]
+    assert r["unbreakable"] == "p\u2060e\u2060a\u2060k 0\u2060.\u20606\u20604 G\u2060i\u2060B"
     # The box is exactly as high as its lines, and the node grew by that (its widgets keep their room).
     assert r["box_height"] == r["lines"] * 16 + 36 and r["grown"] == r["box_height"] + 4 and r["lines"] >= 2
     assert r["plan"].startswith("memory_profile 24 GB GPU, planned for")

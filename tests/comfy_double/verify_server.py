@@ -202,7 +202,8 @@ def remote_cancel(server: str, engine) -> bool:
     aborts the job."""
     deletes = len(engine.requests("DELETE", "/v1/videos/"))
     polls = len(engine.requests("GET", "/v1/videos/"))
-    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json").read_text()),
+    remote = PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json"
+    prompt = pointed_at(json.loads(remote.read_text()),
                         engine.url, steps=200)
     call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
     deadline = time.time() + 120
