@@ -15,7 +15,7 @@ class H3StreamDecodeAudio(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamDecodeAudio",
             display_name="H3 Decode Audio",
-            category="H3 Stream",
+            category="H3 Stream/decode",
             description="Decodes the audio latents into a 32 kHz stereo AUDIO as long as the video "
                         "({'waveform': [1, 2, T], 'sample_rate': 32000}).",
             inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],

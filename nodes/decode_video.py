@@ -15,7 +15,7 @@ class H3StreamDecodeVideo(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamDecodeVideo",
             display_name="H3 Decode Video",
-            category="H3 Stream",
+            category="H3 Stream/decode",
             description="Decodes the video latents one 17-frame clip at a time into IMAGE frames [F, H, W, 3] in "
                         "[0, 1], plus the frame rate for Create Video.",
             inputs=[H3Model.Input("h3_model"), H3Latent.Input("h3_latent")],

@@ -38,7 +38,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamGenerateRemote",
             display_name="H3 Generate (remote server)",
-            category="H3 Stream",
+            category="H3 Stream/remote",
             description="Sends the request to an SGLang diffusion or vLLM-Omni server running MiniMax H3 across its "
                         "GPUs (the OpenAI-style videos API) and decodes its mp4 into IMAGE frames and 32 kHz stereo "
                         "AUDIO: text (t2va), first / last frames (fl2va) or H3 References (ref2va, on a server "

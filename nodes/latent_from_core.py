@@ -14,7 +14,7 @@ class H3StreamLatentFromCore(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamLatentFromCore",
             display_name="H3 Latent from Core",
-            category="H3 Stream",
+            category="H3 Stream/latent",
             description="Takes a MiniMax H3 AV LATENT from core's nodes (Empty MiniMax H3 AV Latent, KSampler, "
                         "Concat AV Latent, ...) for the H3 decoders. It must hold one video [1, 24, 5n + 2, H/16, "
                         "W/16] and its audio [1, 32, 2, Ta]; the values are unchanged.",

@@ -15,7 +15,7 @@ class H3StreamLatentToCore(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamLatentToCore",
             display_name="H3 Latent to Core",
-            category="H3 Stream",
+            category="H3 Stream/latent",
             description="Hands the H3 sampler's latents to core's MiniMax H3 nodes as an AV LATENT (video "
                         "[1, 24, T, H/16, W/16] and audio [1, 32, 2, Ta], normalised as core's VAEs expect). The "
                         "values are unchanged: converting back gives the same latents bit for bit.",

@@ -20,9 +20,9 @@ class H3StreamLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamLoader",
-            display_name="Load H3 (residency, legacy)",
-            category="H3 Stream",
-            description="Superseded by Load H3 (memory profiles, source-specific inputs); kept so that saved "
+            display_name="H3 Loader (residency, legacy)",
+            category="H3 Stream/loaders",
+            description="Superseded by H3 Loader (memory profiles, source-specific inputs); kept so that saved "
                         "workflows still load and run. Points at an H3 model and chooses, per component, whether "
                         "its weights stay on the device or stream block by block from host memory.",
             search_aliases=["minimax h3", "h3 loader", "layerwise offload"],

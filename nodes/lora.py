@@ -16,6 +16,9 @@ from . import comfy_runtime
 from .model_sources import is_inside
 from .sockets import H3Model
 
+# The key naming of LoRAs trained on H3 itself (`read_lora(...).format`): nothing converted, nothing to say.
+NATIVE_FORMAT = "original module names"
+
 LORAS = "loras"
 
 
@@ -42,8 +45,8 @@ class H3StreamLoRA(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamLoRA",
-            display_name="H3 LoRA",
-            category="H3 Stream",
+            display_name="H3 LoRA Loader",
+            category="H3 Stream/loaders",
             description="Adds a LoRA to the H3 transformer with a strength; chain several. Nothing reloads: the "
                         "sampler applies the set. Steps and shifts the LoRA recommends are shown here, not set.",
             search_aliases=["h3 lora", "turbo lora", "lora loader"],
@@ -74,7 +77,9 @@ class H3StreamLoRA(io.ComfyNode):
         lora = read_lora(path)  # a bad file fails here, naming its key, before anything samples
         handle = dataclasses.replace(h3_model, loras=(*h3_model.loras, (path, float(strength))),
                                      description=f"{h3_model.description} + LoRA {lora_name} x{strength:g}")
-        text = f"LoRA {lora_name} x{strength:g} ({lora.format})"
+        # The file's key naming matters only when it is not the model's own (then it was converted).
+        converted = "" if lora.format == NATIVE_FORMAT else f", converted from {lora.format} names"
+        text = f"LoRA {lora_name} at strength {strength:g}{converted}"
         if lora.recommended:
             text += "; recommends " + ", ".join(f"{key} {value:g}" for key, value in lora.recommended.items()) + \
                 " (set them on the sampler)"

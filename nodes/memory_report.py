@@ -14,7 +14,7 @@ class H3StreamMemoryReport(RunsEveryTime, io.ComfyNode):
         return io.Schema(
             node_id="H3StreamMemoryReport",
             display_name="H3 Memory Report",
-            category="H3 Stream",
+            category="H3 Stream/memory",
             description="Reports the model's memory settings, the device memory in use now (CUDA: allocated; MPS: "
                         "held by the Metal driver) and the process's peak host memory (RSS).",
             inputs=[H3Model.Input("h3_model"),

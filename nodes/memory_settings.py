@@ -66,7 +66,7 @@ class MemorySettings:
 
     @classmethod
     def from_profile_widgets(cls, memory_profile: dict, sources, *, dtype: str, device, free_bytes):
-        """Load H3's `memory_profile` dynamic combo -> (settings, the preflight shown on the node, the plan's details
+        """H3 Loader's `memory_profile` dynamic combo -> (settings, the preflight shown on the node, the plan's details
         for the log): a named profile planned from the checkpoint headers (`auto` within what `free_bytes(device)`
         reports), or every value by hand (`custom`); refused in the widgets' words where the platform's admission
         rules refuse it."""
@@ -81,7 +81,7 @@ class MemorySettings:
                                  video_vae=values.pop("video_vae_residency"),
                                  audio_vae=values.pop("audio_vae_residency"), dtype=dtype, device=str(device),
                                  **values)
-            preflight, details = f"memory_profile custom: {settings.describe()}", ""
+            preflight, details = f"memory_profile custom: {settings.plain_description()}", settings.describe()
         else:
             profile = profile_named(name)
             free = free_bytes(device) if profile.nominal_gib is None else None
@@ -93,6 +93,22 @@ class MemorySettings:
         if refused:
             raise H3Error(f"memory_profile {name}: {refused}")
         return settings, preflight, details
+
+    def plain_description(self) -> str:
+        """The custom profile's values as H3 Loader shows them: what stays loaded, what streams, the chunk size and
+        the budget, in words (`describe` is the log's line)."""
+        from h3_core.planning.memory_profiles import PLAIN_NAMES, _joined
+
+        groups: dict[str, list[str]] = {}
+        for name, value in self.residency:
+            groups.setdefault(value, []).append(PLAIN_NAMES.get(name, name))
+        parts = [f"{_joined(names)} {'stream block by block' if value == LAYERWISE_OFFLOAD else 'stay loaded'}"
+                 for value, names in groups.items()]
+        if self.offloaded("transformer") and self.resident_blocks:
+            parts.append(f"{self.resident_blocks} transformer blocks kept loaded")
+        parts.append(f"chunk size {self.chunk_size or 'automatic'}")
+        parts.append(f"memory budget {self.memory_budget_mib} MiB" if self.memory_budget_mib else "no memory budget")
+        return "; ".join(parts) + "."
 
     def core_residencies(self) -> dict[str, str]:
         """Each component's residency in h3_core's spelling (a request plan fixes them)."""

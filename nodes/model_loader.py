@@ -21,13 +21,13 @@ class H3StreamModelLoader(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamModelLoader",
-            display_name="Load H3",
-            category="H3 Stream",
+            display_name="H3 Loader",
+            category="H3 Stream/loaders",
             description="Points at an H3 model and plans its memory: pick a memory profile (your GPU or Mac, or what "
                         "is free now) and the node shows, before anything loads, which components stream block by "
                         "block and what the weights need; or set every value by hand with custom. Loads nothing "
                         "until a node needs a component.",
-            search_aliases=["minimax h3", "h3 loader", "layerwise offload", "memory profile"],
+            search_aliases=["minimax h3", "load h3", "h3 model", "layerwise offload", "memory profile"],
             inputs=model_loader_inputs(),
             outputs=[H3Model.Output(display_name="h3_model")],
             # The node that shows the preflight and a download's progress; the prompt, to name a value ComfyUI drops.
@@ -54,7 +54,7 @@ class H3StreamModelLoader(io.ComfyNode):
         for name, given, choices in (("source", source, model_sources.SOURCES),
                                      ("memory_profile", memory_profile, [*PROFILES, CUSTOM])):
             if given is None:
-                raise H3Error(f"{name} {cls._queued(name)!r} is not one of {list(choices)}; choose one on Load H3.")
+                raise H3Error(f"{name} {cls._queued(name)!r} is not one of {list(choices)}; choose one on H3 Loader.")
         chosen = dict(source)
         kind, partition = chosen.pop("source"), chosen.pop("partition", None) or "FL2VA"  # repack: the file decides
         torch_device = comfy_runtime.torch_device(device)

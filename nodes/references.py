@@ -65,7 +65,7 @@ class H3StreamReferenceMedia(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamReferenceMedia",
             display_name="H3 References",
-            category="H3 Stream",
+            category="H3 Stream/conditioning",
             description=DESCRIPTION + " Videos and audios are cut to H3 Text Encode's duration.",
             search_aliases=["minimax h3", "ref2va", "reference image", "reference audio"],
             inputs=_inputs(),
@@ -85,7 +85,7 @@ class H3StreamReferences(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamReferences",
             display_name="H3 References (own duration, legacy)",
-            category="H3 Stream",
+            category="H3 Stream/conditioning",
             description="Superseded by H3 References, which takes the duration from H3 Text Encode; kept so that "
                         "saved workflows still load and run. " + DESCRIPTION,
             inputs=_inputs(*duration_inputs()),

@@ -23,7 +23,7 @@ class H3StreamAVSampler(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamAVSampler",
             display_name="H3 Sampler (video + audio)",
-            category="H3 Stream",
+            category="H3 Stream/sampling",
             description=DESCRIPTION + " The canvas and duration are H3 Text Encode's.",
             search_aliases=["minimax h3", "h3 ksampler", "sampler"],
             inputs=[H3Model.Input("h3_model"), H3Cond.Input("h3_cond"), *sampler_inputs()],
@@ -48,7 +48,7 @@ class H3StreamSampler(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamSampler",
             display_name="H3 Sampler (own canvas, legacy)",
-            category="H3 Stream",
+            category="H3 Stream/sampling",
             description="Superseded by H3 Sampler (video + audio), which takes the canvas and duration from H3 Text "
                         "Encode; kept so that saved workflows still load and run. " + DESCRIPTION,
             inputs=[H3Model.Input("h3_model"), H3Cond.Input("h3_cond"), *canvas_inputs(), *duration_inputs(),

@@ -36,7 +36,7 @@ class RunsEveryTime:
 class H3ModelHandle:
     """What `H3_MODEL` carries: the pipeline (it loads each component when a phase first needs it and keeps it until
     released), the settings it was built with, and the LoRAs ((file, strength), ...) the sampler applies to its
-    transformer (H3 LoRA nodes add to a copy; one pipeline serves every handle made from it)."""
+    transformer (H3 LoRA Loader nodes add to a copy; one pipeline serves every handle made from it)."""
 
     pipeline: object  # h3_core.pipeline.H3Pipeline
     settings: MemorySettings

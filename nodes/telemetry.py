@@ -83,13 +83,22 @@ def phase(node_id, handle, name: str, phases, plan, *, blocks_of: str | None = N
 
 
 def summary(report: dict) -> str:
-    """One line for the node's progress text: shown under the node by every frontend renderer."""
-    parts = [f"device peak {gib(report['peak_device_bytes'])}", f"host peak {gib(report['peak_host_bytes'])}"]
+    """One line for the node's progress text (the one place the frontend shows a node's figures, in every renderer),
+    in plain words: a figure the device cannot give (a CPU has no device allocator) is left out, not shown as n/a."""
+    parts = []
+    if report["peak_device_bytes"] is not None:
+        parts.append(f"peak GPU memory {gib(report['peak_device_bytes'])}")
+    if report["peak_host_bytes"] is not None:
+        parts.append(f"peak RAM {gib(report['peak_host_bytes'])}")
     if "total_blocks" in report:
-        parts.append(f"{report['resident_blocks']}/{report['total_blocks']} blocks resident")
+        kept, total = report["resident_blocks"], report["total_blocks"]
+        parts.append(f"all {total} blocks kept loaded" if kept == total else
+                     f"{kept} of {total} blocks kept loaded, the rest streamed")
     if report.get("lora_files"):
-        parts.append(f"{report['lora_files']} LoRA(s): {report['lora_bytes_moved'] / 2**20:.1f} MiB folded in, "
-                     f"fold peak {report['lora_fold_peak_bytes'] / 2**20:.1f} MiB")
+        count = report["lora_files"]
+        changed = report["lora_bytes_moved"] / 2**20
+        parts.append(f"{count} LoRA{'s' if count > 1 else ''} applied"
+                     + (f" ({changed:.1f} MiB of weights changed)" if changed >= 0.05 else ""))
     if report.get("step_cache"):
         parts.append(report["step_cache"])
     text = f"{report['phase']}: " + ", ".join(parts)

@@ -34,7 +34,7 @@ class H3StreamEncodePrompt(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamEncodePrompt",
             display_name="H3 Text Encode",
-            category="H3 Stream",
+            category="H3 Stream/conditioning",
             description=DESCRIPTION + " The canvas and the duration are set here, once: H3 Sampler makes them.",
             search_aliases=["minimax h3", "h3 prompt", "clip text encode"],
             inputs=_inputs(*canvas_inputs(), *duration_inputs()),
@@ -66,7 +66,7 @@ class H3StreamTextEncode(io.ComfyNode):
         return io.Schema(
             node_id="H3StreamTextEncode",
             display_name="H3 Text Encode (no duration, legacy)",
-            category="H3 Stream",
+            category="H3 Stream/conditioning",
             description="Superseded by H3 Text Encode, which also sets the duration; kept so that saved workflows "
                         "still load and run. " + DESCRIPTION,
             inputs=_inputs(*canvas_inputs()),

@@ -13,8 +13,8 @@ class H3StreamUnload(RunsEveryTime, io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id="H3StreamUnload",
-            display_name="H3 Unload",
-            category="H3 Stream",
+            display_name="H3 Unload Models",
+            category="H3 Stream/memory",
             description="Releases the H3 components this model has loaded (device copies, host stores and memory "
                         "maps) and empties the device cache. Connect 'after' to run it last.",
             inputs=[H3Model.Input("h3_model"),

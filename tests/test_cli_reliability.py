@@ -335,7 +335,7 @@ def test_sampler_shift_widgets_cannot_hold_zero(pack):
     for name in ("video_shift", "audio_shift"):
         assert inputs[name][1]["min"] == 0.1
         check_shift(inputs[name][1]["min"], name)  # the smallest value the widget takes runs
-    prompt = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    prompt = json.loads((ROOT / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     prompt["3"]["inputs"]["video_shift"] = 0.0
     with pytest.raises(PromptError, match=r"video_shift: 0.0 is smaller than min 0.1"):
         PromptExecutor({**pack, **CORE_NODES}).validate(prompt)

@@ -239,7 +239,8 @@ def test_the_real_server_check_of_the_round_trip_saves_what_the_plain_example_sa
     from comfy_double.executor import PromptExecutor
     from comfy_double.verify_server import core_latent_prompt
 
-    plain = json.loads((comfy_double.PACK_ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    example = comfy_double.PACK_ROOT / "example_workflows" / "api" / "H3 - Text to Video and Audio.json"
+    plain = json.loads(example.read_text())
     SAVED.clear()
     PromptExecutor({**pack, **CORE_NODES}).run(plain)
     PromptExecutor({**pack, **CORE_NODES}).run(core_latent_prompt())

@@ -1,4 +1,4 @@
-"""Load H3 (H3StreamModelLoader): a source that brings only its own inputs and a memory profile, as ComfyUI runs them
+"""H3 Loader (H3StreamModelLoader): a source that brings only its own inputs and a memory profile, as ComfyUI runs them
 from API-format prompts (`source`, `source.partition`, `memory_profile`, `memory_profile.<widget>` keys: what the
 real frontend queues, see tests/test_workflows.py for the UI format) through the test double's executor."""
 
@@ -73,8 +73,9 @@ def test_the_auto_profile_plans_from_the_free_memory_and_shows_the_preflight_on_
     # Also the node's UI output: ComfyUI sends it again on runs that take the loader from its cache.
     assert result.ui["1"] == {"h3_stream_preflight": [preflight]}
     assert pack["H3StreamModelLoader"].GET_SCHEMA().has_intermediate_output
-    assert preflight.startswith(f"memory_profile {AUTO}: plans for 0.22 GiB of the free memory, at the weights "
-                                "alone (1344x768, 5 s does not fit): text_encoder resident, transformer resident")
+    assert preflight.startswith(f"memory_profile {AUTO}, planned for 0.22 GiB free: all weights stay loaded. "
+                                "Estimated peak ") and preflight.endswith(
+        "at the weights alone (1344x768, 5 s does not fit); each run is planned again for its own size.")
     sampler, = [text for text in texts("3") if text.startswith("memory_profile")]
     assert sampler.startswith(f"memory_profile {AUTO}: this request needs about ") and "transformer fused" in sampler
 
@@ -91,6 +92,8 @@ def test_a_request_too_large_for_the_profile_is_refused_by_the_sampler_in_its_wi
                               "this request does not fit a 0.22 GiB budget: the video decode phase needs about")
     assert message.endswith(". Set a smaller width / height / seconds, or a larger memory_profile on the loader.")
     assert "\n" not in message
+    # Its first line stands alone: no plan "below" that the node does not show, one piece of advice.
+    assert "below" not in message and "raise the budget" not in message
 
 
 def test_custom_brings_the_hand_set_widgets_and_refuses_resident_components_on_mps(pack):
@@ -158,7 +161,7 @@ def test_an_unknown_source_or_profile_passes_comfyuis_validation_and_is_named_wh
     executor.validate(prompt)
     with pytest.raises(H3Error) as refused:
         executor.run(prompt)
-    assert str(refused.value) == f"{name} {value!r} is not one of {choices}; choose one on Load H3."
+    assert str(refused.value) == f"{name} {value!r} is not one of {choices}; choose one on H3 Loader."
 
 
 def test_a_source_shows_only_its_own_inputs_and_a_missing_one_is_named(pack, executor):

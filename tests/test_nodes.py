@@ -191,7 +191,7 @@ def test_prompt_validation_reports_each_mistake_once_on_its_input(pack):
     from comfy_double.executor import PromptError, PromptExecutor
 
     executor = PromptExecutor({**pack, **CORE_NODES})
-    base = json.loads((ROOT / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    base = json.loads((ROOT / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     # A workflow saved with the legacy loader (the new one's mistakes: tests/test_model_loader.py).
     loader = next(k for k, v in base.items() if v["class_type"] == "H3StreamModelLoader")
     base[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LOADER)}
@@ -325,7 +325,8 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
 
     # The bar appears at 0 when sampling starts, then one update per transformer step (steps - 1 = 2).
     assert recorders["progress"] == [("3", 0, 2), ("3", 1, 2), ("3", 2, 2)]
-    # The memory badge: one message per H3 node, the sampler's with the block counts, and the same as progress text.
+    # The memory report: one message per H3 node, the sampler's with the block counts; its plain-words line is the
+    # progress text.
     badges = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
     assert [b["node"] for b in badges] == ["2", "3", "4", "5"]
     sampler_badge = badges[1]
@@ -333,7 +334,8 @@ def test_nodes_generate_comfyui_image_and_audio(pack, recorders):
     assert sampler_badge["resident_blocks"] == 0  # layerwise offload, no resident blocks
     assert all(b["peak_host_bytes"] > 0 for b in badges)
     texts = [data for event, data, _ in recorders["messages"] if event == "progress_text"]
-    assert [t["node"] for t in texts] == ["2", "3", "4", "5"] and "0/2 blocks resident" in texts[1]["text"]
+    assert [t["node"] for t in texts] == ["2", "3", "4", "5"]
+    assert "0 of 2 blocks kept loaded, the rest streamed" in texts[1]["text"]
     # Model management: the device cache is emptied after every phase; ComfyUI is asked to free room before each
     # node's phases, the streamed ones included (what each allocates: tests/test_model_management.py).
     assert recorders["mm"].soft_empty_cache_calls == 4
@@ -613,7 +615,8 @@ def test_the_progress_text_shows_each_call_and_the_badge_the_cached_steps(pack, 
     off_badge, = [data for event, data, _ in recorders["messages"] if event == "h3_stream.memory"]
     assert not {key for key in off_badge if key.startswith("step_cache")}
     assert [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"] == \
-        [f"sampling: device peak n/a, host peak {off_badge['peak_host_bytes'] / 2**30:.2f} GiB, 0/2 blocks resident"]
+        [f"sampling: peak RAM {off_badge['peak_host_bytes'] / 2**30:.2f} GiB, 0 of 2 blocks kept loaded, "
+         "the rest streamed"]
 
 
 def test_a_cancelled_cached_run_leaves_the_sampler_usable(pack, recorders):
@@ -681,7 +684,9 @@ def test_lora_nodes_chain_on_copies_of_the_handle(pack, recorders, tmp_path):
     assert both.pipeline is base.pipeline and both.settings is base.settings  # nothing reloaded
     assert not base.pipeline._loaded  # and nothing loaded: the sampler applies the set
     texts = [data["text"] for event, data, _ in recorders["messages"] if event == "progress_text"]
-    assert texts[0].startswith(f"LoRA {TINY_LORA} x0.5") and "recommends steps 9" in texts[0]  # shown, not set
+    assert texts[0].startswith(f"LoRA {TINY_LORA} at strength 0.5;")
+    assert "recommends steps 9" in texts[0]  # shown, not set
+    assert "module names" not in texts[0]  # the model's own key names: nothing converted, nothing said
 
 
 def test_sampling_with_a_lora_differs_and_strength_zero_is_the_base_model(pack):
@@ -751,7 +756,13 @@ def test_locales_and_help_pages_cover_every_node_and_input(pack):
             if lang == "en":
                 assert entry["display_name"] == schema.display_name and entry["description"] == schema.description
         main = json.loads((ROOT / "locales" / lang / "main.json").read_text(encoding="utf-8"))
-        assert "H3 Stream" in main["nodeCategories"]
+        # Nested categories like core's (`H3 Stream/loaders`, ...): every segment core does not name is translated.
+        for node_class in pack.values():
+            top, *rest = node_class.GET_SCHEMA().category.split("/")
+            assert top == "H3 Stream" and len(rest) == 1, node_class
+            assert top in main["nodeCategories"]
+        # The template browser's name for the pack's folder of templates (its cards are titled by file name).
+        assert main["templateWorkflows"]["category"]["h3-stream"]
     for node_id in pack:
         assert (ROOT / "web" / "docs" / f"{node_id}.md").read_text().startswith("# ")
         assert (ROOT / "web" / "docs" / node_id / "zh.md").read_text(encoding="utf-8").startswith("# ")

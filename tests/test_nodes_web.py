@@ -22,6 +22,7 @@ class Graph {
   getNodeById(id) { return this._nodes.find((n) => n.id === id) ?? null; }
 }
 export const app = { graph: new Graph(), registerExtension(ext) { registered.push(ext); } };
+globalThis.__app = { app };
 """
 API_STANDIN = """
 export const listeners = {};
@@ -34,74 +35,107 @@ export const api = {
     return { json: async () => ({ devices: [{ type: deviceType }] }) };
   },
   dispatch(event, detail) { for (const h of listeners[event] ?? []) h({ detail }); },
+  dispatchCustomEvent(event, detail) { this.dispatch(event, detail); },
 };
+// As the frontend shows a progress text: its box widget on the node, made when first needed.
+api.addEventListener("progress_text", ({ detail }) => {
+  const { app } = globalThis.__app;
+  const node = app.graph.getNodeById(Number(detail.nodeId));
+  if (!node) return;
+  let box = node.widgets.find((w) => w.name === "$$node-text-preview");
+  if (!box) node.widgets.push(box = { name: "$$node-text-preview", value: "" });
+  box.value = detail.text;
+});
 """
 SCENARIO = """
-globalThis.LiteGraph = { NODE_TITLE_HEIGHT: 30 };
+globalThis.LiteGraph = { NODE_TITLE_HEIGHT: 30, INPUT: 1 };
 const { app, registered } = await import("./scripts/app.js");
-const { api, setDevice } = await import("./scripts/api.js");
-await import("./extensions/h3-stream/h3_stream.js");
+const { api, setDevice, shown } = await import("./scripts/api.js");
+const web = await import("./extensions/h3-stream/h3_stream.js");
 const ext = registered[0];
-function makeNode(id, comfyClass, widgets) {
-  return { id, comfyClass, size: [300, 200], flags: {}, widgets: widgets.map((name) => ({ name })),
+const TEXT = web.TEXT_WIDGET;
+function makeNode(id, comfyClass, widgets, inputs = []) {
+  return { id, comfyClass, size: [300, 200], flags: {}, widgets: widgets.map((name) => ({ name, value: "" })),
+           inputs: inputs.map((name) => ({ name, link: null })),
            dirty: 0, setDirtyCanvas() { this.dirty += 1; }, computeSize() { return [300, 180]; },
-           setSize(size) { this.size = size; } };
+           setSize(size) { this.size = [...size]; },
+           removeInput(index) { this.inputs.splice(index, 1); },
+           addInput(name, type) { this.inputs.push({ name, type, link: null }); } };
 }
 const result = {};
 for (const device of ["cpu", "mps"]) {
   setDevice(device);
   app.graph._nodes = [];
-  const loader = makeNode(1, "H3StreamLoader", ["source", "mps_reclaim_every"]);
+  const loader = makeNode(1, "H3StreamModelLoader", ["source", "memory_profile"]);
   const other = makeNode(2, "KSampler", ["seed"]);
   app.graph._nodes.push(loader, other);
   ext.nodeCreated(loader); ext.nodeCreated(other);
   await ext.setup();
+  // The custom profile's widgets arrive after the node was created: hidden when the node is next drawn.
+  loader.widgets.push({ name: "memory_profile.mps_reclaim_every", value: 0 });
+  loader.onDrawForeground({});
   result[device] = Object.fromEntries(loader.widgets.map((w) => [w.name, w.hidden ?? false]));
-  result[device + "_other_drawn"] = typeof other.onDrawForeground;
-  if (device === "cpu") {
-    const sampler = makeNode(3, "H3StreamAVSampler", []);
-    app.graph._nodes.push(sampler);
-    ext.nodeCreated(sampler);
-    api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: 3 * 2 ** 30,
-                                       peak_host_bytes: 2 ** 29, resident_blocks: 4, total_blocks: 50 });
-    result.badge = sampler.h3StreamBadge;
-    result.redrawn = sampler.dirty;
-    const drawn = [];
-    const ctx = { save() {}, restore() {}, beginPath() {}, fill() {}, roundRect() {},
-                  measureText: (t) => ({ width: t.length * 6 }), fillText: (t, x, y) => drawn.push([t, y]) };
-    sampler.onDrawForeground(ctx);
-    result.drawn = drawn;
-    result.node_height = sampler.size[1];
-    api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: null, peak_host_bytes: 2 ** 30,
-                                       resident_blocks: 0, total_blocks: 2, step_cache_hits: 9, step_cache_calls: 29,
-                                       step_cache: "step cache quality: 9 of 29 steps cached, 49 of 58 blocks run" });
-    result.cached_badge = sampler.h3StreamBadge;
-    for (const event of ["execution_start", "execution_error", "execution_interrupted"]) {
-      api.dispatch("h3_stream.memory", { node: "3", phase: "sampling", peak_device_bytes: 1, peak_host_bytes: 1 });
-      api.dispatch(event, {});
-      result["after_" + event] = sampler.h3StreamBadge;
-    }
-    const modelLoader = makeNode(4, "H3StreamModelLoader", ["source", "memory_profile"]);
-    ext.nodeCreated(modelLoader);
-    const preflight = "memory_profile 24 GB GPU: plans for 21.60 GiB of 24 GiB, at 1344x768, 124 frames: " +
-                      "text_encoder layerwise, transformer layerwise";
-    modelLoader.onExecuted({ h3_stream_preflight: [preflight] });
-    const lines = [];
-    const ctx2 = { save() {}, restore() {}, beginPath() {}, fill() {}, roundRect() {},
-                   measureText: (t) => ({ width: t.length * 6 }), fillText: (t, x, y) => lines.push([t, y]) };
-    api.dispatch("execution_start", {});
-    modelLoader.onDrawForeground(ctx2);
-    result.preflight = preflight;
-    result.preflight_lines = lines;
-    result.loader_height = modelLoader.size[1];
-  }
+  result[device + "_other_touched"] = typeof other.onDrawForeground + typeof other.onExecuted;
+  result[device + "_loader_width"] = loader.size[0];
 }
+// The server's text for a node: the frontend's handler puts it in its box (the stand-in does as the frontend does);
+// ours makes it unbreakable and grows the node by the text's height.
+const sampler = makeNode(3, "H3StreamAVSampler", ["steps"]);
+app.graph._nodes.push(sampler);
+ext.nodeCreated(sampler);
+const baseHeight = sampler.size[1];
+const line = "sampling: peak RAM 0.61 GiB, 0 of 2 blocks kept loaded, the rest streamed";
+api.dispatch("progress_text", { nodeId: "3", text: line });
+await new Promise((r) => setTimeout(r, 5));
+const box = sampler.widgets.find((w) => w.name === TEXT);
+result.text = box.value;
+result.grown = sampler.size[1] - baseHeight;
+result.box_height = box.computeLayoutSize().minHeight;
+result.lines = web.wrapLines(box.value, sampler.size[0] - 52).length;
+// Load H3's plan (its UI output, sent again while the loader is cached) goes into the same box.
+const loader = app.graph._nodes[0];
+const plan = "memory_profile 24 GB GPU, planned for 21.60 GiB of 24 GiB: all weights stay loaded.";
+loader.onExecuted({ h3_stream_preflight: [plan] });
+result.plan = loader.widgets.find((w) => w.name === TEXT)?.value.replaceAll("\\u2060", "");
+// A run starts: every text goes and the nodes get their height back; a cached node gets its text back.
+api.dispatch("execution_start", {});
+result.after_start = app.graph._nodes.map((n) => n.widgets.some((w) => w.name === TEXT));
+result.height_back = sampler.size[1] === baseHeight;
+api.dispatch("execution_cached", { nodes: ["3"] });
+result.cached_back = sampler.widgets.find((w) => w.name === TEXT)?.value.replaceAll("\\u2060", "");
+// A failed or cancelled node says so instead of its last partial progress.
+api.dispatch("execution_error", { node_id: "3" });
+result.failed = sampler.widgets.find((w) => w.name === TEXT)?.value.replaceAll("\\u2060", "");
+api.dispatch("execution_interrupted", { node_id: "3" });
+result.cancelled = sampler.widgets.find((w) => w.name === TEXT)?.value.replaceAll("\\u2060", "");
+// H3 References: one free socket of each kind, growing as they are connected; links follow their sockets.
+const names = (n) => n.inputs.map((i) => i.name);
+const all = web.GROWING.flatMap(([prefix, count]) => Array.from({ length: count }, (_, i) => prefix + (i + 1)));
+const refs = makeNode(5, "H3StreamReferenceMedia", ["ref_image_size"], all);
+refs.inputs.unshift({ name: "ref_image_size", widget: { name: "ref_image_size" }, link: null });
+ext.nodeCreated(refs);
+result.refs_fresh = names(refs);
+app.graph.links = { 7: { target_slot: 1 } };
+refs.inputs[1].link = 7;  // ref_image_1 connected
+refs.onConnectionsChange(1, 1, true);
+await new Promise((r) => setTimeout(r, 5));
+result.refs_grown = names(refs);
+result.link_slot = app.graph.links[7].target_slot;
+// A saved workflow's node (all 15 sockets, ref_video_2 connected) keeps its link when the free ones go.
+const saved = makeNode(6, "H3StreamReferenceMedia", [], all);
+ext.nodeCreated(saved);
+saved.inputs = all.map((name) => ({ name, link: name === "ref_video_2" ? 9 : null }));
+app.graph.links[9] = { target_slot: 10 };
+saved.onConfigure({});
+result.saved = names(saved);
+result.saved_slot = app.graph.links[9].target_slot;
+result.unbreakable = web.unbreakable("peak 0.64 GiB");
 console.log(JSON.stringify(result));
 """
 
 
 @pytest.mark.skipif(NODE is None, reason="Node.js is not installed")
-def test_memory_badge_and_mps_only_widgets(tmp_path):
+def test_node_text_mps_only_widgets_widths_and_growing_references(tmp_path):
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "app.js").write_text(APP_STANDIN)
     (tmp_path / "scripts" / "api.js").write_text(API_STANDIN)
@@ -112,20 +146,24 @@ def test_memory_badge_and_mps_only_widgets(tmp_path):
     (tmp_path / "scenario.js").write_text(SCENARIO)
     done = subprocess.run([NODE, "scenario.js"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["cpu"] == {"source": False, "mps_reclaim_every": True}  # MPS-only option hidden off MPS
-    assert result["mps"] == {"source": False, "mps_reclaim_every": False}
-    assert result["cpu_other_drawn"] == "undefined"  # other packs' nodes are left alone
-    assert result["badge"] == "sampling: dev 3.00 GiB · host 0.50 GiB · blocks 4/50 resident"
-    # With a step cache on, the sampler's badge says how many of its transformer calls were cached.
-    assert result["cached_badge"] == "sampling: dev n/a · host 1.00 GiB · blocks 0/2 resident · cached 9/29 steps"
-    assert result["redrawn"] >= 1 and [text for text, _ in result["drawn"]] == [result["badge"]]
-    # Drawn under the node's bottom edge, clear of the title bar's own badges (node source, id).
-    assert all(y > result["node_height"] for _, y in result["drawn"])
-    # A run that starts, fails or is cancelled clears the badges of the previous one.
-    assert [result[f"after_{e}"] for e in ("execution_start", "execution_error", "execution_interrupted")] == [None] * 3
-    # Load H3's preflight (its UI output, sent again by ComfyUI while the loader is cached): kept across runs, drawn
-    # under the node wrapped to its width (300 px here, 6 px a character in the stand-in).
-    lines = result["preflight_lines"]
-    assert " ".join(text for text, _ in lines) == result["preflight"] and len(lines) > 1
-    assert all(len(text) * 6 <= 290 for text, _ in lines) and all(y > result["loader_height"] for _, y in lines)
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    # MPS-only options hidden off MPS, also one a dynamic combo adds after the node was created.
+    assert r["cpu"] == {"source": False, "memory_profile": False, "memory_profile.mps_reclaim_every": True}
+    assert r["mps"] == {"source": False, "memory_profile": False, "memory_profile.mps_reclaim_every": False}
+    assert r["cpu_other_touched"] == "undefinedundefined"  # other packs' nodes are left alone
+    assert r["cpu_loader_width"] >= 400  # a fresh loader is wide enough for its source values
+    # The text: word joiners between the characters of each word (the box breaks anywhere otherwise), same words.
+    words = "sampling: peak RAM 0.61 GiB, 0 of 2 blocks kept loaded, the rest streamed"
+    assert r["text"].replace("\u2060", "") == words and "0\u2060.\u20606\u20601" in r["text"]
+    assert r["unbreakable"] == "p\u2060e\u2060a\u2060k 0\u2060.\u20606\u20604 G\u2060i\u2060B"
+    # The box is exactly as high as its lines, and the node grew by that (its widgets keep their room).
+    assert r["box_height"] == r["lines"] * 16 + 36 and r["grown"] == r["box_height"] + 4 and r["lines"] >= 2
+    assert r["plan"].startswith("memory_profile 24 GB GPU, planned for")
+    assert r["after_start"] == [False, False, False] and r["height_back"]
+    assert r["cached_back"].startswith("sampling: peak RAM")
+    assert (r["failed"], r["cancelled"]) == ("failed: see the error message", "cancelled")
+    assert r["refs_fresh"] == ["ref_image_size", "ref_image_1", "ref_video_1", "ref_audio_1"]
+    assert r["refs_grown"] == ["ref_image_size", "ref_image_1", "ref_image_2", "ref_video_1", "ref_audio_1"]
+    assert r["link_slot"] == 1
+    assert r["saved"] == ["ref_image_1", "ref_video_1", "ref_video_2", "ref_audio_1"]  # the lowest free one of each
+    assert r["saved_slot"] == 2

@@ -1,4 +1,4 @@
-"""Load H3's Qwen3-VL text encoder from any of its checkpoint layouts.
+"""H3 Loader's Qwen3-VL text encoder from any of its checkpoint layouts.
 
 * **official** folder (`MiniMaxAI/MiniMax-H3` `text_encoder/`, or the repo root): Hugging Face
   `Qwen3VLForConditionalGeneration` — `config.json`, `model*.safetensors` (+ `model.safetensors.index.json`), keys
@@ -388,7 +388,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
                       dtype: torch.dtype | None = None, residency: Residency | str = Residency.RESIDENT,
                       prefetch: int | None = None, resident_blocks: int | list[int] | None = None,
                       config=None, processor=None, chunk_size: int | None = None) -> TextEncoder:
-    """Load H3's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
+    """H3 Loader's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
 
     `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
     partition root), or a ComfyUI single file. `tokenizer`: a `tokenizer.json` or a folder holding one; found

@@ -433,10 +433,13 @@ class MemoryPlan:
         if kept:
             advice.append(f"do not keep {' / '.join(kept)}")
         advice.append("raise the budget")
+        # One line each: the problem, its fix, then the plan they were computed from under its own heading; a
+        # surface that shows only the first line (a node, which gives its own advice) still reads as a whole.
         return (f"this request does not fit a {format_bytes(budget)} {what}: the {phase.name} phase needs about "
-                f"{needs} with the residency and chunks below; most of it is {_items(biggest)}"
-                + (f" (also over: {', '.join(also)})" if also else "") + f".\n{self.describe()}\n"
-                + ", ".join(advice[:-1]).capitalize() + f", or {advice[-1]}.")
+                f"{needs}; most of it is {_items(biggest)}"
+                + (f" (also over: {', '.join(also)})" if also else "") + ".\n"
+                + ", ".join(advice[:-1]).capitalize() + f", or {advice[-1]}.\nThe plan this was checked against:\n"
+                + self.describe())
 
 
 def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform: Platform, *,

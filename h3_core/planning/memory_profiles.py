@@ -109,16 +109,34 @@ class ResidencyPlan:
         return residencies(self.plan)
 
     def describe(self) -> str:
-        """The preflight the loader shows: the budget, the request it was planned at, each component's residency."""
+        """The preflight the loader shows, in plain words: the budget, what stays loaded and what streams, the
+        estimated peak and the request it was planned at."""
         plan, profile = self.plan, self.profile
-        size = (f"{format_bytes(plan.budget_bytes)} of the free memory" if profile.nominal_gib is None else
+        size = (f"{format_bytes(plan.budget_bytes)} free" if profile.nominal_gib is None else
                 f"{format_bytes(plan.budget_bytes)} of {profile.nominal_gib} GiB")
-        placed = ", ".join(f"{c.name} {c.residency}" for c in plan.components)
+        groups: dict[str, list[str]] = {}
+        for c in plan.components:
+            groups.setdefault(c.residency, []).append(PLAIN_NAMES.get(c.name, c.name))
+        if list(groups) == [settings.RESIDENT]:
+            placed = "all weights stay loaded"
+        else:
+            placed = "; ".join(f"{_joined(names)} {PLAIN_RESIDENCY.get(residency, residency)}"
+                               for residency, names in groups.items())
         at = (f"{self.request['width']}x{self.request['height']}, {self.request['num_frames']} frames"
               if self.request is DEFAULT_REQUEST else "the weights alone (1344x768, 5 s does not fit)")
-        return (f"memory_profile {profile.name}: plans for {size}, at {at}: {placed}; estimated peak "
-                f"{format_bytes(plan.peak_bytes)} ({plan.peak_phase.name}). Each request's size and chunks are "
-                "planned again when H3 Sampler runs.")
+        return (f"memory_profile {profile.name}, planned for {size}: {placed}. Estimated peak "
+                f"{format_bytes(plan.peak_bytes)} ({plan.peak_phase.name}) at {at}; each run is planned again for "
+                "its own size.")
+
+
+# The components and residencies as the loader's text names them (h3_core's names are for code and logs).
+PLAIN_NAMES = {"text_encoder": "text encoder", "transformer": "transformer", "video_vae": "video VAE",
+               "audio_vae": "audio VAE"}
+PLAIN_RESIDENCY = {settings.RESIDENT: "stay loaded", settings.LAYERWISE: "stream block by block"}
+
+
+def _joined(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def residency_plan(sources, profile: MemoryProfile, *, device, free_bytes: int | None = None,

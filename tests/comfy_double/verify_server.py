@@ -12,7 +12,7 @@ Checks: `/object_info` lists the pack's node ids; each prompt in example_workflo
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
 outputs exist as non-empty files in the output folder.
 Mistakes in an API prompt (a residency that is not a widget value, a device the server lacks, seconds 0, an unknown
-source or memory profile, a partition spelled ref2va; with Load H3 and with the legacy loader) are refused with HTTP 400
+source or memory profile, a partition spelled ref2va; with H3 Loader and with the legacy loader) are refused with HTTP 400
 and exactly one error, on that input. Two websocket clients: only the one that queued a prompt
 receives the pack's memory badge and progress text (this part needs aiohttp, which ComfyUI's environment has).
 The remote-engine example runs against SGLang's and vLLM-Omni's own servers (tests/engine_servers.py, started here from
@@ -48,7 +48,7 @@ NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3St
             "H3StreamAVSampler", "H3StreamReferenceMedia"]
 
 
-# The custom memory profile's widgets, and a legacy loader's (workflows saved before Load H3).
+# The custom memory profile's widgets, and a legacy loader's (workflows saved before H3 Loader).
 CUSTOM = {"transformer_residency": "LAYERWISE_OFFLOAD", "text_encoder_residency": "LAYERWISE_OFFLOAD",
           "video_vae_residency": "RESIDENT", "audio_vae_residency": "RESIDENT", "prefetch": -1, "resident_blocks": 0,
           "chunk_size": 0, "memory_budget_mib": 0, "mps_reclaim_every": 0}
@@ -155,7 +155,7 @@ def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
 def core_latent_prompt() -> dict:
     """The tiny T2VA example with its latent sent through core's nodes between sampler and decoders: H3 Latent to
     Core -> Separate AV Latent -> Concat AV Latent -> H3 Latent from Core."""
-    prompt = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    prompt = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     sampler = next(node for node, spec in prompt.items() if spec["class_type"] == "H3StreamAVSampler")
     prompt.update({
         "90": {"class_type": "H3StreamLatentToCore", "inputs": {"h3_latent": [sampler, 0]}},
@@ -183,11 +183,11 @@ def pointed_at(prompt: dict, url: str, steps: int | None = None) -> dict:
 
 
 def prompts(remote_urls: list[str]) -> list[tuple[str, dict]]:
-    remote = PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json"
+    remote = PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json"
     examples = [(path.name, json.loads(path.read_text()))
                 for path in sorted((PACK / "example_workflows" / "api").glob("*.json")) if path != remote]
     examples += [(f"{remote.name} on {url}", pointed_at(json.loads(remote.read_text()), url)) for url in remote_urls]
-    legacy = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    legacy = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     loader = next(k for k, v in legacy.items() if v["class_type"] == "H3StreamModelLoader")
     legacy[loader] = {"class_type": "H3StreamLoader", "inputs": dict(LEGACY_LOADER)}
     for spec in legacy.values():
@@ -205,7 +205,8 @@ def remote_cancel(server: str, engine) -> bool:
     aborts the job."""
     deletes = len(engine.requests("DELETE", "/v1/videos/"))
     polls = len(engine.requests("GET", "/v1/videos/"))
-    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json").read_text()),
+    remote = PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json"
+    prompt = pointed_at(json.loads(remote.read_text()),
                         engine.url, steps=200)
     call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
     deadline = time.time() + 120
@@ -347,7 +348,7 @@ def remote_refused(server: str) -> bool:
 
     import aiohttp
 
-    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "h3_stream_remote_t2va.json").read_text()),
+    prompt = pointed_at(json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video on a Remote Server.json").read_text()),
                         REFUSED_URL)
 
     async def run() -> tuple[float, str, str]:
@@ -491,11 +492,17 @@ def kept_weights_bytes(history: dict, loader: str) -> tuple[int, list[str]]:
     from h3_core.sources.model_sources import resolve_model
     from h3_core.sources.tiny_default import ensure_tiny_model
 
+    from h3_core.planning.memory_profiles import PLAIN_NAMES
+
     preflight = " ".join(history["outputs"].get(loader, {}).get("h3_stream_preflight", []))
+    # "... planned for X: all weights stay loaded. ..." or "...: text encoder and transformer stream block by block;
+    # video VAE and audio VAE stay loaded. ..."
+    placed = preflight.split(": ", 1)[-1].split(". Estimated")[0]
+    staying = " ".join(part for part in placed.split("; ") if part.endswith("stay loaded"))
     sources = resolve_model(ensure_tiny_model(), partition="fl2va")
     kept, total = [], 0
     for name in ("text_encoder", "transformer", "video_vae", "audio_vae"):
-        if f"{name} resident" in preflight:
+        if "all weights stay loaded" in staying or PLAIN_NAMES[name] in staying:
             path = Path(getattr(sources, name))
             kept.append(name)
             total += path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*.safetensors"))
@@ -564,7 +571,7 @@ def main() -> int:
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
-    tiny = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    tiny = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     if "--only-unload" not in sys.argv:
         failures += not remote_refused(server)
         failures += not audio_is_healthy(server, tiny)
@@ -598,7 +605,7 @@ def main() -> int:
     for engine in engines:
         failures += not remote_cancel(server, engine)
         engine.__exit__(None, None, None)
-    example = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    example = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     loader = next(k for k, v in example.items() if v["class_type"] == "H3StreamModelLoader")
     sampler = next(k for k, v in example.items() if v["class_type"] == "H3StreamAVSampler")
     encoder = next(k for k, v in example.items() if v["class_type"] == "H3StreamEncodePrompt")
