@@ -28,7 +28,7 @@ from h3_core.pipeline.preview import (VIDEO_RGB_BIAS, VIDEO_RGB_FACTORS, Latent2
                                       frame_to_rgb, latent_to_rgb, taeh3_previewer)
 from h3_core.pipeline.sampler import Schedule, denoised_estimate, euler_blend, euler_step, initial_noise
 from h3_core.sources import resolve_model
-from h3_core.models.taeh3 import TAEH3Decoder, load_taeh3
+from h3_core.checkpoints.taeh3_loader import load_taeh3
 
 FIXTURE = json.loads((comfy_double.CONTRACT / "core_latent2rgb.json").read_text())
 CONTRACT_SIGNATURES = json.loads((comfy_double.CONTRACT / "signatures.json").read_text())

@@ -290,7 +290,7 @@ def check_preview_flags(args) -> None:
     if path.is_dir() or not path.parent.expanduser().resolve().is_dir():
         raise CliError(f"--preview {preview}: give a file name in an existing folder.")
     if taeh3 is not None:
-        from ..models.taeh3 import load_taeh3
+        from ..checkpoints.taeh3_loader import load_taeh3
 
         taeh3 = Path(taeh3).expanduser()
         if not taeh3.is_file():

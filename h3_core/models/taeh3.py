@@ -6,20 +6,17 @@ time upscaled 4x (stages 2 and 3), and H3's chunking on decode (five latent fram
 decoded frames dropped, the clip's last twelve too), so latent frame 0 gives exactly the clip's first frame.
 
 The module is written here from that definition, with its state-dict layout (`decoder.<index>....`, the indices of
-taehv's `nn.Sequential`), so a `taeh3.safetensors` in taehv's layout loads as it is. Only safetensors are read; the
-encoder's tensors in the file are ignored. Blocks with memory see the previous frame's input at their depth (zeros
+taehv's `nn.Sequential`), so a `taeh3.safetensors` in taehv's layout loads as it is. Reading a file is
+`checkpoints/taeh3_loader.py`'s (safetensors only; the encoder's tensors in the file are ignored). Blocks with memory see the previous frame's input at their depth (zeros
 for the first frame): everything is causal in time, so the first frame needs only latent frame 0.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import CheckpointError, PickleCheckpointError
 
 LATENT_CHANNELS = 24
 PATCH_SIZE = 2
@@ -27,7 +24,6 @@ WIDTHS = (256, 128, 64, 64)
 TIME_UPSCALE = (False, True, True)  # taehv's default decoder_time_upscale, which taeh3 keeps
 CHUNK_LATENTS = 5  # H3's video VAE decodes five latent frames a chunk
 TRAILING_LATENTS = 3  # ... and its last chunk carries three latents of padding
-PICKLE_SUFFIXES = (".pth", ".pt", ".ckpt", ".bin", ".pkl", ".pickle")
 
 
 def _conv(n_in: int, n_out: int, bias: bool = True) -> nn.Conv2d:
@@ -53,7 +49,7 @@ class _MemoryBlock(nn.Module):
         return F.relu(self.conv(torch.cat([x, past], 1)) + x)
 
 
-class _TimeGrow(nn.Module):
+class TimeGrow(nn.Module):
     """One frame -> `stride` frames: a 1x1 convolution to `stride * width` channels, split in time."""
 
     def __init__(self, width: int, stride: int):
@@ -82,7 +78,7 @@ class TAEH3Decoder(nn.Module):
         for stage in range(3):
             layers += [_MemoryBlock(w[stage]), _MemoryBlock(w[stage]), _MemoryBlock(w[stage]),
                        _Upsample(),
-                       _TimeGrow(w[stage], 2 if TIME_UPSCALE[stage] else 1), _conv(w[stage], w[stage + 1], bias=False)]
+                       TimeGrow(w[stage], 2 if TIME_UPSCALE[stage] else 1), _conv(w[stage], w[stage + 1], bias=False)]
         layers += [nn.ReLU(), _conv(w[3], 3 * PATCH_SIZE ** 2)]
         self.decoder = nn.Sequential(*layers)
         self.time_upscale = 2 ** sum(TIME_UPSCALE)
@@ -126,43 +122,3 @@ class TAEH3Decoder(nn.Module):
         size: `space_upscale`'s stages, default the constructor's)."""
         raw = self._run(latent[:1, :, :1].movedim(1, 2), space_upscale)
         return F.pixel_shuffle(raw[0, self.frames_to_trim], PATCH_SIZE).clamp(0, 1)
-
-
-def load_taeh3(path, *, device="cpu", space_upscale=(True, True, True)) -> TAEH3Decoder:
-    """The decoder of a `taeh3` `.safetensors` in taehv's layout, float32 on `device`. A pickle (`.pth`, taehv's
-    release format) is refused without being opened, with how to get or make the `.safetensors`."""
-    from ..checkpoints.safetensors_io import SafetensorsFile
-
-    path = Path(path)
-    if path.suffix.lower() in PICKLE_SUFFIXES:
-        raise PickleCheckpointError(
-            f"{path}: '{path.suffix}' files are pickles, which can run code when loaded; h3-stream reads the TAEH3 "
-            "previewer from .safetensors only. Download taeh3.safetensors (madebyollin/taehv, its safetensors/ "
-            "folder) next to it, or convert this one once: python -c \"import torch, safetensors.torch as s; "
-            f"s.save_file(torch.load('{path.name}', weights_only=True), '{path.stem}.safetensors')\"", path=path)
-    model = TAEH3Decoder(space_upscale)
-    wanted = {key: tensor.shape for key, tensor in model.state_dict().items()}
-    reader = SafetensorsFile(path)
-    if "decoder.0.weight" in reader and "decoder.1.weight" not in reader:
-        raise CheckpointError(f"{path}: this is a TAEHV '_super' decoder (a 1x1 first layer); h3-stream previews run "
-                              "the base taeh3 decoder. Use taeh3.safetensors.", path=path)
-    state = {}
-    for key, shape in wanted.items():
-        if key not in reader:
-            raise CheckpointError(f"{path}: tensor '{key}' is missing; this is not a TAEHV decoder in taehv's layout "
-                                  "(expected taeh3.safetensors from madebyollin/taehv).", path=path)
-        tensor = reader.tensor(key)
-        if isinstance(model.decoder[int(key.split(".")[1])], _TimeGrow) and tensor.shape[0] > shape[0]:
-            tensor = tensor[-shape[0]:]  # trained with more time upscaling: keep the last frame's channels, as taehv
-        if tuple(tensor.shape) != tuple(shape):
-            channels = reader.shape("decoder.1.weight")[1] if "decoder.1.weight" in reader else "?"
-            raise CheckpointError(
-                f"{path}: tensor '{key}' is {list(tensor.shape)}, taeh3 needs {list(shape)}"
-                + (f" (the file decodes {channels}-channel latents; H3's have {LATENT_CHANNELS}: it is the tiny "
-                   "decoder of another model)" if channels != LATENT_CHANNELS else "") + ".", path=path)
-        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{path}: tensor '{key}' is not finite floating point; download the file again.",
-                                  path=path)
-        state[key] = tensor.to(torch.float32)
-    model.load_state_dict(state)
-    return model.to(device).eval().requires_grad_(False)

@@ -153,7 +153,7 @@ def taeh3_previewer(path, *, device="cpu", max_size: int | None = None) -> TAEH3
 
 
 def _cached_decoder(path: str, mtime_ns: int, size: int, device: str):
-    from ..models.taeh3 import load_taeh3
+    from ..checkpoints.taeh3_loader import load_taeh3
 
     key = (path, mtime_ns, size, device)
     if _DECODER_CACHE.get("key") != key:

@@ -1,9 +1,10 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload]
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview]
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
-`--only-unload` runs only the model-management check below (for iterating on it).
+`--only-unload` runs only the model-management check below (for iterating on it), `--only-preview` only the live
+preview checks (latent2rgb, none, and TAEH3 when the server has models/vae_approx/taeh3*.safetensors).
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -21,6 +22,8 @@ The step cache: the tiny example with the sampler at step_cache quality (30 step
 sampler's progress text, cached ones among them, the run's summary at the end and its cached steps in the badge's
 message; a cached run cancelled after its first cached call must stop in the sampler, and the same prompt then runs
 to the end with its hits.
+Live previews: the sampler's step previews reach only the client that queued, as ComfyUI's binary preview messages
+(with the sampler's node id for a client that announced supports_preview_metadata), and change during the run.
 ComfyUI's "Unload models": after the tiny example, `POST /free {"unload_models": true}` must release the H3 components
 ComfyUI's model management now knows (the server's VmRSS falls by at least half the weights the loader kept
 resident), and the example with another seed must then run (the components load again); the same after
@@ -147,6 +150,90 @@ def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
     ok = a["memory"] > 0 and a["text"] > 0 and b == {"memory": 0, "text": 0}
     print(f"  per-client telemetry: queuing client {a}, other client {b}{'' if ok else '  <-- FAILED'}")
     return ok
+
+
+def previews_reach_only_the_queuing_client(server: str, example: dict, method: str, expect_size=None) -> bool:
+    """The tiny example at PREVIEW_STEPS steps, preview method `method` (the frontend's per-prompt choice,
+    `extra_data.preview_method`, which ComfyUI puts over --preview-method for that prompt). Two websocket clients,
+    A announcing `supports_preview_metadata` (as the frontend does), B not. A queues: A must get one binary
+    PREVIEW_IMAGE_WITH_METADATA (4) per sampler step, each naming the sampler's node id, and B none; then B queues: B
+    must get plain PREVIEW_IMAGE (1) messages and A none. The pictures must change during the run (first != last);
+    `expect_size` (w, h): the decoded preview's size (TAEH3), else the latent's (latent2rgb). `none`: nobody gets
+    any."""
+    import asyncio
+    import io
+    import struct
+
+    import aiohttp
+    from PIL import Image
+
+    prompt = json.loads(json.dumps(example))
+    sampler = next(k for k, v in prompt.items() if v["class_type"] == "H3StreamAVSampler")
+    prompt[sampler]["inputs"]["steps"] = PREVIEW_STEPS
+    ok = True
+
+    async def run(queuer: str) -> dict:
+        heard = {c: [] for c in "AB"}  # (binary event type, metadata or None, image)
+        ws_url = server.replace("http", "ws", 1)
+        async with aiohttp.ClientSession() as session:
+            ids = {c: f"{c}-{uuid.uuid4()}" for c in "AB"}
+            sockets = {c: await session.ws_connect(f"{ws_url}/ws?clientId={ids[c]}") for c in "AB"}
+            await sockets["A"].send_json({"type": "feature_flags", "data": {"supports_preview_metadata": True}})
+            await asyncio.sleep(0.5)
+            prompt[sampler]["inputs"]["seed"] = int(time.time() * 1000) % 2**31  # not cached: the sampler runs
+            body = {"prompt": prompt, "client_id": ids[queuer], "extra_data": {"preview_method": method}}
+            async with session.post(f"{server}/prompt", json=body) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+
+            async def listen(name: str) -> None:
+                async for message in sockets[name]:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        kind = struct.unpack(">I", message.data[:4])[0]
+                        if kind == 4:
+                            length = struct.unpack(">I", message.data[4:8])[0]
+                            metadata = json.loads(message.data[8:8 + length])
+                            heard[name].append((kind, metadata, Image.open(io.BytesIO(message.data[8 + length:]))))
+                        elif kind == 1:
+                            heard[name].append((kind, None, Image.open(io.BytesIO(message.data[8:]))))
+                    elif message.type == aiohttp.WSMsgType.TEXT:
+                        data = json.loads(message.data)
+                        if name == queuer and data.get("type") in ("execution_success", "execution_error") \
+                                and data["data"].get("prompt_id") == prompt_id:
+                            return
+
+            other = "B" if queuer == "A" else "A"
+            listener = asyncio.ensure_future(listen(other))
+            await asyncio.wait_for(listen(queuer), timeout=600)
+            await asyncio.sleep(1)  # anything sent to the other client would have arrived by now
+            listener.cancel()
+        return heard
+
+    for queuer, kind in (("A", 4), ("B", 1)):
+        heard = asyncio.run(run(queuer))
+        other = "B" if queuer == "A" else "A"
+        got = heard[queuer]
+        if method == "none":
+            good = got == [] and heard[other] == []
+            print(f"  previews {method}: queuing client {queuer} got {len(got)}, other {len(heard[other])}"
+                  f"{'' if good else '  <-- FAILED'}")
+            ok &= good
+            continue
+        pictures = [image.convert("RGB").tobytes() for _, _, image in got]
+        sizes = sorted({image.size for _, _, image in got})
+        good = (len(got) == PREVIEW_STEPS - 1 and all(k == kind for k, _, _ in got) and heard[other] == []
+                and len(set(pictures)) > 1 and pictures[0] != pictures[-1]
+                and (expect_size is None or sizes == [tuple(expect_size)]))
+        if kind == 4:
+            good &= all(m["node_id"] == sampler and m["display_node_id"] == sampler for _, m, _ in got)
+        named = sorted({m["node_id"] for _, m, _ in got if m}) if kind == 4 else "-"
+        print(f"  previews {method}: client {queuer} (metadata {'on' if kind == 4 else 'off'}) got {len(got)} "
+              f"binary type-{kind} previews, sizes {sizes}, node ids {named}, {len(set(pictures))} distinct; "
+              f"the other client {len(heard[other])}{'' if good else '  <-- FAILED'}")
+        ok &= good
+    return ok
+
+
+PREVIEW_STEPS = 12
 
 
 def core_latent_prompt() -> dict:
@@ -501,8 +588,26 @@ def start_engines(work: Path) -> list:
     return [engine.wait_ready() for engine in engines]
 
 
+def previews_checked(server: str, example: dict) -> int:
+    """The preview checks; TAEH3 too when the server has models/vae_approx/taeh3*.safetensors (its size then the
+    canvas's, a 96x64 example being under --preview-size). Returns the number that failed."""
+    print("live previews:")
+    failures = 0
+    for method in ("latent2rgb", "none"):
+        failures += not previews_reach_only_the_queuing_client(server, example, method)
+    encoder = next(v for v in example.values() if v["class_type"] == "H3StreamEncodePrompt")["inputs"]
+    taeh3 = [name for name in call(f"{server}/models/vae_approx") if name.startswith("taeh3")
+             and name.endswith(".safetensors")]
+    if taeh3:
+        failures += not previews_reach_only_the_queuing_client(server, example, "taesd",
+                                                               (encoder["width"], encoder["height"]))
+    else:
+        print("  taesd: no models/vae_approx/taeh3*.safetensors on the server; TAEH3 previews not checked")
+    return failures
+
+
 def main() -> int:
-    args = [a for a in sys.argv[1:] if a != "--only-unload"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--only-")]
     server, output_dir = args[0].rstrip("/"), Path(args[1])
     pid = int(args[2]) if len(args) > 2 else server_pid(server)
     info = call(f"{server}/object_info")
@@ -510,6 +615,9 @@ def main() -> int:
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
     tiny = json.loads((PACK / "example_workflows" / "api" / "h3_stream_t2va_tiny.json").read_text())
+    failures += previews_checked(server, tiny)
+    if "--only-preview" in sys.argv:
+        return 1 if failures else 0
     failures += not unload_frees_and_reloads(server, tiny, pid)
     if "--only-unload" in sys.argv:
         return 1 if failures else 0
