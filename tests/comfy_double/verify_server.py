@@ -4,7 +4,7 @@
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
 `--only-unload` runs only the model-management check below (for iterating on it), `--only-preview` only the live
-preview checks (latent2rgb, none, and TAEH3 when the server has models/vae_approx/taeh3*.safetensors).
+preview checks (latent2rgb, none, and taesd: TAEH3 when the server has models/vae_approx/taeh3*.safetensors).
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -152,14 +152,15 @@ def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
     return ok
 
 
-def previews_reach_only_the_queuing_client(server: str, example: dict, method: str, expect_size=None) -> bool:
+def previews_reach_only_the_queuing_client(server: str, example: dict, method: str, taeh3=None) -> bool:
     """The tiny example at PREVIEW_STEPS steps, preview method `method` (the frontend's per-prompt choice,
     `extra_data.preview_method`, which ComfyUI puts over --preview-method for that prompt). Two websocket clients,
     A announcing `supports_preview_metadata` (as the frontend does), B not. A queues: A must get one binary
     PREVIEW_IMAGE_WITH_METADATA (4) per sampler step, each naming the sampler's node id, and B none; then B queues: B
-    must get plain PREVIEW_IMAGE (1) messages and A none. The pictures must change during the run (first != last);
-    `expect_size` (w, h): the decoded preview's size (TAEH3), else the latent's (latent2rgb). `none`: nobody gets
-    any."""
+    must get plain PREVIEW_IMAGE (1) messages and A none. The pictures must change during the run (first != last).
+    ComfyUI scales every preview to --preview-size, so the method shows in the sampler's progress text: with `taesd`,
+    `taeh3` True (the server has the file) means no "TAEH3 previews ..." notice there, False means that notice (the
+    fallback to latent2rgb). `none`: nobody gets any."""
     import asyncio
     import io
     import struct
@@ -174,6 +175,7 @@ def previews_reach_only_the_queuing_client(server: str, example: dict, method: s
 
     async def run(queuer: str) -> dict:
         heard = {c: [] for c in "AB"}  # (binary event type, metadata or None, image)
+        heard["texts"] = []  # the queuing client's progress texts
         ws_url = server.replace("http", "ws", 1)
         async with aiohttp.ClientSession() as session:
             ids = {c: f"{c}-{uuid.uuid4()}" for c in "AB"}
@@ -195,6 +197,9 @@ def previews_reach_only_the_queuing_client(server: str, example: dict, method: s
                             heard[name].append((kind, metadata, Image.open(io.BytesIO(message.data[8 + length:]))))
                         elif kind == 1:
                             heard[name].append((kind, None, Image.open(io.BytesIO(message.data[8:]))))
+                        elif kind == 3 and name == queuer:
+                            length = struct.unpack(">I", message.data[4:8])[0]
+                            heard["texts"].append(message.data[8 + length:].decode())
                     elif message.type == aiohttp.WSMsgType.TEXT:
                         data = json.loads(message.data)
                         if name == queuer and data.get("type") in ("execution_success", "execution_error") \
@@ -220,15 +225,17 @@ def previews_reach_only_the_queuing_client(server: str, example: dict, method: s
             continue
         pictures = [image.convert("RGB").tobytes() for _, _, image in got]
         sizes = sorted({image.size for _, _, image in got})
+        notices = [text for text in heard["texts"] if "TAEH3 previews" in text]
         good = (len(got) == PREVIEW_STEPS - 1 and all(k == kind for k, _, _ in got) and heard[other] == []
                 and len(set(pictures)) > 1 and pictures[0] != pictures[-1]
-                and (expect_size is None or sizes == [tuple(expect_size)]))
+                and (taeh3 is None or bool(notices) != taeh3))
         if kind == 4:
             good &= all(m["node_id"] == sampler and m["display_node_id"] == sampler for _, m, _ in got)
         named = sorted({m["node_id"] for _, m, _ in got if m}) if kind == 4 else "-"
         print(f"  previews {method}: client {queuer} (metadata {'on' if kind == 4 else 'off'}) got {len(got)} "
               f"binary type-{kind} previews, sizes {sizes}, node ids {named}, {len(set(pictures))} distinct; "
-              f"the other client {len(heard[other])}{'' if good else '  <-- FAILED'}")
+              f"the other client {len(heard[other])}" + (f"; TAEH3 notice: {notices[:1]}" if taeh3 is not None else "")
+              + ('' if good else '  <-- FAILED'))
         ok &= good
     return ok
 
@@ -589,20 +596,16 @@ def start_engines(work: Path) -> list:
 
 
 def previews_checked(server: str, example: dict) -> int:
-    """The preview checks; TAEH3 too when the server has models/vae_approx/taeh3*.safetensors (its size then the
-    canvas's, a 96x64 example being under --preview-size). Returns the number that failed."""
+    """The preview checks: latent2rgb, none, and taesd (TAEH3 when the server has models/vae_approx/taeh3*.safetensors,
+    else the said fallback). Returns the number that failed."""
     print("live previews:")
     failures = 0
     for method in ("latent2rgb", "none"):
         failures += not previews_reach_only_the_queuing_client(server, example, method)
-    encoder = next(v for v in example.values() if v["class_type"] == "H3StreamEncodePrompt")["inputs"]
-    taeh3 = [name for name in call(f"{server}/models/vae_approx") if name.startswith("taeh3")
-             and name.endswith(".safetensors")]
-    if taeh3:
-        failures += not previews_reach_only_the_queuing_client(server, example, "taesd",
-                                                               (encoder["width"], encoder["height"]))
-    else:
-        print("  taesd: no models/vae_approx/taeh3*.safetensors on the server; TAEH3 previews not checked")
+    taeh3 = any(name.startswith("taeh3") and name.endswith(".safetensors")
+                for name in call(f"{server}/models/vae_approx"))
+    print(f"  taesd with{'' if taeh3 else 'out'} models/vae_approx/taeh3*.safetensors on the server:")
+    failures += not previews_reach_only_the_queuing_client(server, example, "taesd", taeh3)
     return failures
 
 
