@@ -428,6 +428,7 @@ class SamplerProgress:
 
     def __init__(self, total: int, node_id, device):
         self.bar = progress_bar(total, node_id=node_id)
+        self.node_id = node_id
         self.previewer = step_previewer(device, node_id)
         self._image = None
 
@@ -437,7 +438,14 @@ class SamplerProgress:
         return None if self.previewer is None else self._render
 
     def _render(self, estimate) -> None:
-        self._image = preview_image(self.previewer.render(estimate))
+        if self.previewer is None:  # turned off by a failure earlier in this run
+            return
+        try:
+            self._image = preview_image(self.previewer.render(estimate))
+        except RuntimeError as error:  # e.g. the device out of memory for the TAEH3 decode: the run goes on
+            _say(self.node_id, f"previews off for the rest of this run: {self.previewer.method} failed at step "
+                               f"{estimate.step} ({str(error).splitlines()[0][:200]})", key=f"failed {error}")
+            self.previewer = None
 
     def progress(self, step: int, total: int) -> None:
         image, self._image = self._image, None

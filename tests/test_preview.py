@@ -350,6 +350,21 @@ def test_taesd_without_a_usable_file_says_so_and_shows_latent2rgb(pack, caplog):
     assert any("taeh3.pth is a pickle" in text for text in texts)
 
 
+def test_a_failing_preview_stops_the_previews_not_the_run(pack, monkeypatch):
+    import server
+
+    def out_of_memory(self, estimate):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    baseline, _, _ = sample_with(pack, "none")
+    monkeypatch.setattr(Latent2RGBPreviewer, "render", out_of_memory)
+    latents, previews, updates = sample_with(pack, "latent2rgb")
+    assert previews == [] and len(updates) == 4 and torch.equal(latents.video, baseline.video)
+    texts = [data["text"] for event, data, _ in server.PromptServer.instance.messages if event == "progress_text"]
+    assert sum("previews off for the rest of this run: latent2rgb failed at step 1 (CUDA out of memory" in text
+               for text in texts) == 1
+
+
 # ---- the CLI ----------------------------------------------------------------------------------------------------------
 
 
