@@ -338,6 +338,120 @@ def progress_bar(total: int, node_id=None):
     return comfy.utils.ProgressBar(total, node_id=node_id)
 
 
+# ---- live previews --------------------------------------------------------------------------------------------------
+
+# Core's rule for a tiny decoder in models/vae_approx (latent_preview.get_previewer): the first file whose name starts
+# with the latent format's decoder name. H3's is taeh3 (madebyollin/taehv's name; core's MiniMaxH3Video names none).
+TAEH3_NAME = "taeh3"
+_SAID_ONCE: set = set()
+
+
+def preview_method() -> str:
+    """The preview method of this run: `none`, `latent2rgb` or `taesd`, as ComfyUI has it now (its --preview-method,
+    or the frontend's per-prompt choice, which ComfyUI's executor puts in the same setting for the prompt it runs).
+    `auto` is latent2rgb, as in core."""
+    from comfy.cli_args import args
+
+    method = getattr(args.preview_method, "value", args.preview_method)
+    return "latent2rgb" if method == "auto" else str(method)
+
+
+def preview_size() -> int:
+    """The long side ComfyUI shows previews at (--preview-size)."""
+    from comfy.cli_args import args
+
+    return int(getattr(args, "preview_size", 512))
+
+
+def taeh3_file() -> tuple[str | None, str | None]:
+    """(the TAEH3 `.safetensors` in models/vae_approx, else None; the name of a `taeh3*` pickle found there
+    instead, else None)."""
+    import folder_paths
+
+    names = [name for name in folder_paths.get_filename_list("vae_approx")
+             if name.rsplit("/", 1)[-1].startswith(TAEH3_NAME)]
+    safetensors = next((name for name in names if name.lower().endswith((".safetensors", ".sft"))), None)
+    if safetensors is not None:
+        return folder_paths.get_full_path("vae_approx", safetensors), None
+    return None, (names[0] if names else None)
+
+
+def _say(node_id, text: str, *, key: str) -> None:
+    """A preview notice: on the node's text each run, in the log once per process."""
+    if key not in _SAID_ONCE:
+        _SAID_ONCE.add(key)
+        log.warning("h3-stream: %s", text)
+    instance = _prompt_server()
+    client = _client_of_the_prompt(instance)
+    if client is not None and node_id is not None:
+        instance.send_progress_text(text, node_id, client)
+
+
+def step_previewer(device, node_id=None):
+    """The previewer the user's preview method asks for (None: `none`): `taesd` is the TAEH3 decoder when its file is
+    in models/vae_approx, else (said once) latent2rgb, as core falls back."""
+    from h3_core.errors import H3Error
+    from h3_core.pipeline.preview import Latent2RGBPreviewer, taeh3_previewer
+
+    method = preview_method()
+    if method == "none":
+        return None
+    if method == "taesd":
+        path, pickle = taeh3_file()
+        if path is not None:
+            try:
+                return taeh3_previewer(path, device=device, max_size=preview_size())
+            except (H3Error, OSError) as error:
+                _say(node_id, f"TAEH3 previews off, latent2rgb instead: {error}", key=f"bad {path}")
+        elif pickle is not None:
+            _say(node_id, f"TAEH3 previews off, latent2rgb instead: models/vae_approx/{pickle} is a pickle; "
+                          "h3-stream reads taeh3.safetensors only (madebyollin/taehv, its safetensors/ folder).",
+                 key=f"pickle {pickle}")
+        else:
+            _say(node_id, f"TAEH3 previews need models/vae_approx/{TAEH3_NAME}.safetensors (madebyollin/taehv); "
+                          "none found, so the previews are latent2rgb.", key="no taeh3")
+    return Latent2RGBPreviewer()
+
+
+def preview_image(rgb: torch.Tensor) -> tuple:
+    """A uint8 `[H, W, 3]` picture as ComfyUI's progress hook takes a preview: `("JPEG", PIL image, max size)`."""
+    from PIL import Image
+
+    return ("JPEG", Image.fromarray(rgb.numpy()), preview_size())
+
+
+class SamplerProgress:
+    """A sampler's progress bar with each step's preview (when the user's preview method asks for one): the image
+    rendered from the step's x0 estimate goes out with that step's progress, through ComfyUI's own progress hook,
+    which sends it to the client that queued the prompt only (with the node id where the client asked for preview
+    metadata)."""
+
+    def __init__(self, total: int, node_id, device):
+        self.bar = progress_bar(total, node_id=node_id)
+        self.node_id = node_id
+        self.previewer = step_previewer(device, node_id)
+        self._image = None
+
+    @property
+    def preview(self):
+        """The pipeline's `preview` callback (None when previews are off: nothing is computed for them)."""
+        return None if self.previewer is None else self._render
+
+    def _render(self, estimate) -> None:
+        if self.previewer is None:  # turned off by a failure earlier in this run
+            return
+        try:
+            self._image = preview_image(self.previewer.render(estimate))
+        except RuntimeError as error:  # e.g. the device out of memory for the TAEH3 decode: the run goes on
+            _say(self.node_id, f"previews off for the rest of this run: {self.previewer.method} failed at step "
+                               f"{estimate.step} ({str(error).splitlines()[0][:200]})", key=f"failed {error}")
+            self.previewer = None
+
+    def progress(self, step: int, total: int) -> None:
+        image, self._image = self._image, None
+        self.bar.update_absolute(step, total, image)
+
+
 def _prompt_server():
     try:
         from server import PromptServer

@@ -85,8 +85,8 @@ def sample(node_id, h3_model, cond, request, chunk_size) -> io.NodeOutput:
     calls = max(1, request.steps - 1)
     with phase(node_id, h3_model, "sampling", pipeline.sampling_phases(cond), plan,
                blocks_of="transformer") as report:
-        bar = comfy_runtime.progress_bar(calls, node_id=node_id)
-        latents = pipeline.sample(cond, request, progress=lambda step, total: bar.update_absolute(step, total),
+        bar = comfy_runtime.SamplerProgress(calls, node_id, pipeline.device)
+        latents = pipeline.sample(cond, request, progress=bar.progress, preview=bar.preview,
                                   check_interrupt=comfy_runtime.check_interrupt,
                                   chunk_size=chunk_size if chunk_size > 0 else None, memory_budget=memory_budget,
                                   between_chunks=settings.reclaim_between_chunks(comfy_runtime.soft_empty_cache),

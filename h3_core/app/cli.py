@@ -205,6 +205,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the .mp4 to write (H.264 + AAC; without PyAV: STEM_frames/ PNGs and STEM.wav beside it). "
                         "Written under a temporary name and renamed when complete: an existing file is replaced "
                         "only by a finished video")
+    g.add_argument("--preview", type=Path, metavar="FILE.png",
+                   help="after every sampling step, write that step's preview to FILE.png (the first frame of the x0 "
+                        "estimate through latent2rgb, at latent size: 1/16 of the canvas; or, with --preview-taeh3, "
+                        "decoded by TAEH3 at up to 512 px), replaced whole each time: open it to decide whether to "
+                        "cancel. Off by default, and then nothing is computed for it")
+    g.add_argument("--preview-taeh3", type=Path, metavar="FILE",
+                   help="with --preview: the TAEH3 tiny decoder's taeh3.safetensors (madebyollin/taehv) for a "
+                        "decoded preview instead of latent2rgb")
     g.add_argument("--server", metavar="URL",
                    help="run on an SGLang diffusion or vLLM-Omni server serving H3 (its OpenAI-style videos API, "
                         "e.g. http://gpu-box:30010) instead of this machine; --model and the memory flags are then "
@@ -266,6 +274,62 @@ def resolve_frames(args, defaults, say) -> int:
     return frames
 
 
+def check_preview_flags(args) -> None:
+    """--preview names a writable .png on this machine; --preview-taeh3 an existing .safetensors, with --preview."""
+    preview, taeh3 = getattr(args, "preview", None), getattr(args, "preview_taeh3", None)
+    if taeh3 is not None and preview is None:
+        raise CliError(f"--preview-taeh3 {taeh3}: decodes the previews that --preview writes; give --preview "
+                       "FILE.png too, or drop it.")
+    if preview is None:
+        return
+    if getattr(args, "server", None):
+        raise CliError(f"--preview {preview}: previews come from the sampling loop on this machine; a --server job "
+                       "has none. Drop --preview.")
+    path = Path(preview).expanduser()
+    if path.suffix.lower() != ".png":
+        raise CliError(f"--preview {preview}: the preview is a PNG; name it {path.with_suffix('.png').name}.")
+    if path.is_dir() or not path.parent.expanduser().resolve().is_dir():
+        raise CliError(f"--preview {preview}: give a file name in an existing folder.")
+    if taeh3 is not None:
+        from ..checkpoints.taeh3_loader import load_taeh3
+
+        taeh3 = Path(taeh3).expanduser()
+        if not taeh3.is_file():
+            raise CliError(f"--preview-taeh3 {taeh3}: no such file.")
+        try:  # read (and a pickle refused unopened, with how to convert it) before any model loads
+            load_taeh3(taeh3)
+        except H3Error as exc:
+            raise CliError(f"--preview-taeh3 {exc}") from None
+
+
+def preview_writer(args, device):
+    """The `preview` callback of a run with --preview (None without: the sampling loop then computes nothing for
+    it): each step's picture, written to a temporary file beside FILE.png and renamed over it."""
+    if getattr(args, "preview", None) is None:
+        return None
+    import os
+
+    from PIL import Image
+
+    from ..pipeline.preview import Latent2RGBPreviewer, taeh3_previewer
+
+    if args.preview_taeh3 is not None:
+        try:
+            previewer = taeh3_previewer(Path(args.preview_taeh3).expanduser(), device=device, max_size=512)
+        except H3Error as exc:
+            raise CliError(f"--preview-taeh3 {exc}") from None
+    else:
+        previewer = Latent2RGBPreviewer()
+    target = Path(args.preview).expanduser()
+    partial = target.with_name(f".{target.name}.partial.png")
+
+    def write(estimate) -> None:
+        Image.fromarray(previewer.render(estimate).numpy()).save(partial)
+        os.replace(partial, target)
+
+    return write
+
+
 def check_arguments(args, say) -> GenerationRequest:
     """Every check that needs no model, in the flags' words, before anything is resolved or loaded; the request's
     own rules are `GenerationRequest`'s (reference files are decoded here, normalised by the engine)."""
@@ -277,6 +341,7 @@ def check_arguments(args, say) -> GenerationRequest:
     problem = output_problem(args.out)
     if problem:
         raise CliError(f"--out {args.out!r}: {problem}.")
+    check_preview_flags(args)
     size = args.size or defaults["size"]
     width, height = parse_size(size)
     num_frames = resolve_frames(args, defaults, say)
@@ -455,7 +520,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         say(f"note: --step-cache {request.step_cache.name}: {request.steps - 1} model calls and "
             f"{request.step_cache.warmup_steps} warm-up steps leave no call it can skip; it runs every block")
     try:
-        result = pipeline.generate(request, progress=bar, step_report=step_report)
+        result = pipeline.generate(request, progress=bar, step_report=step_report,
+                                   preview=preview_writer(args, pipeline.device))
     finally:
         bar.close()
         pipeline.release_all()

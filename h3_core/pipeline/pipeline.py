@@ -41,7 +41,13 @@ from ..sources.model_sources import (ModelSources, canvas_rules, check_component
 from ..request.audio_health import check_audio, raise_audio_errors, warning_line
 from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
                      unpatchify)
+from .preview import StepEstimate
 from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
+
+def _step_estimate(preview, video_shape, patch_size, step, total, video_rows, audio_rows) -> None:
+    """The sampling loop's x0 rows as a `StepEstimate` for a `sample(preview=...)` callback."""
+    preview(StepEstimate(step, total, video_rows, audio_rows, video_shape, patch_size))
+
 
 # ---- the pipeline ---------------------------------------------------------------------------------------------------
 
@@ -403,7 +409,8 @@ class H3Pipeline:
     @serialised
     def sample(self, cond: Conditioning, request: GenerationRequest | None = None, /, *, progress=None,
                check_interrupt=None, chunk_size: int | None = None, memory_budget: int | None = None,
-               between_chunks: Callable[[], None] | None = None, step_report=None, **fields) -> Latents:
+               between_chunks: Callable[[], None] | None = None, step_report=None, preview=None,
+               **fields) -> Latents:
         """The sampling loop of the request `cond` was encoded for, or of `request`, or of that request with `fields`
         changed (`num_frames`, `steps`, `seed`, `video_shift`, `audio_shift`, `loras`; e.g. H3 Sampler's widgets).
         Its canvas must be the one keyframes were fitted to, its duration the one references were cut to.
@@ -415,7 +422,8 @@ class H3Pipeline:
         (`set_loras`, no reload; `()` is the base model) and stays until another call changes it; None keeps it.
         `check_interrupt()` runs in the keyframe / reference encoding too. The request's `step_cache` runs in the
         sampling loop; `step_report(stats)` gets its `StepCacheStats` after each call, `Latents.step_cache` at the
-        end."""
+        end. `preview(estimate)` (None: off, at no cost) gets the x0 estimate after each model call (a
+        `preview.StepEstimate`), before `progress` hears of that step."""
         if request is None:
             if cond.request is None:
                 raise H3Error("this conditioning carries no request: give the request to sample.")
@@ -465,7 +473,9 @@ class H3Pipeline:
                          num_condition_audio_rows=layout.num_condition_audio_rows, progress=progress,
                          check_interrupt=check_interrupt, chunking=self._chunking(dit, chunk_size, between_chunks, memory_budget),
                          step_cache=request.step_cache, step_report=step_report,
-                         step_cache_name=request.names.step_cache)
+                         step_cache_name=request.names.step_cache,
+                         denoised=None if preview is None else functools.partial(
+                             _step_estimate, preview, tuple(shape.video[1:]), tuple(config.patch_size)))
         video = unpatchify(result.video_rows[None].cpu(), shape.video[1:], config.patch_size)
         audio = rows_to_audio(result.audio_rows[None].cpu())
         return Latents(video, audio, shape, result.step_cache)
@@ -642,21 +652,23 @@ class H3Pipeline:
 
     @serialised
     def generate(self, request: GenerationRequest | str, /, *, progress=None, check_interrupt=None,
-                 step_report=None, **fields) -> GenerationResult:
+                 step_report=None, preview=None, **fields) -> GenerationResult:
         """Text encode, sample and decode one request: a `GenerationRequest`, or a prompt and the request's fields as
         keywords (`width`, `height`, `num_frames`, `steps`, `seed`, `first_frame`, `reference_images`, ...: see
         `GenerationRequest`). The request is checked before any component loads (the CLI's large-request preflight,
         `planning.request_estimate.estimate_request`, is left to the caller). References need the Ref2VA
         transformer (`partition="ref2va"`). `check_interrupt()` runs in every phase (between layers, blocks, row
         chunks, attention query calls and decoder tiles) and may raise to stop; the components stay usable.
-        `step_report(stats)`: the step cache's figures after each model call (see `sample`)."""
+        `step_report(stats)`: the step cache's figures after each model call, `preview(estimate)`: the x0 estimate
+        after each model call (see `sample`)."""
         request = GenerationRequest.of(request, fields)
         timings = {}
         started = time.perf_counter()
         cond = self.encode_prompt(request, check_interrupt=check_interrupt)
         timings["text_encoder"] = time.perf_counter() - started
         started = time.perf_counter()
-        latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt, step_report=step_report)
+        latents = self.sample(cond, progress=progress, check_interrupt=check_interrupt, step_report=step_report,
+                              preview=preview)
         timings["sampling"] = time.perf_counter() - started
         started = time.perf_counter()
         audio_warnings = []

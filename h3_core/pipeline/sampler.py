@@ -81,18 +81,26 @@ def row_timesteps(layout: PackedLayout, t_video: float, t_audio: float) -> tuple
     return torch.unique(t, sorted=True, return_inverse=True)
 
 
-def euler_step(sample: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor,
-               sigma_next: torch.Tensor) -> torch.Tensor:
-    """One deterministic Euler step in float32.
-
-    The denoised estimate uses sigma recovered from the model time (`1 - t`), the blend ratio the stored grid, as the
-    reference does (the two differ in the last ulp below sigma 0.5).
-    """
+def denoised_estimate(sample: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The x0 estimate of one step in float32: `x0 = x_sigma + sigma v` with sigma recovered from the model time
+    (`1 - t`), as the reference does (it differs from the stored grid in the last ulp below sigma 0.5)."""
     sample = sample.to(torch.float32)
     t = torch.as_tensor(t, dtype=torch.float32, device=sample.device)
-    denoised = sample + (1 - t) * velocity.to(torch.float32)
+    return sample + (1 - t) * velocity.to(torch.float32)
+
+
+def euler_blend(sample: torch.Tensor, denoised: torch.Tensor, sigma: torch.Tensor,
+                sigma_next: torch.Tensor) -> torch.Tensor:
+    """The Euler update from the x0 estimate: the blend ratio is the stored grid's `sigma_next / sigma`."""
+    sample = sample.to(torch.float32)
     ratio = sigma_next.to(sample.device, torch.float32) / sigma.to(sample.device, torch.float32)
     return ratio * sample + (1.0 - ratio) * denoised
+
+
+def euler_step(sample: torch.Tensor, velocity: torch.Tensor, t: torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """One deterministic Euler step in float32 (`denoised_estimate`, then `euler_blend`)."""
+    return euler_blend(sample, denoised_estimate(sample, velocity, t), sigma, sigma_next)
 
 
 def noise_condition(clean: torch.Tensor, noise: torch.Tensor, t: float = CONDITION_NOISE_AUG) -> torch.Tensor:
@@ -130,7 +138,7 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
             audio_rows: torch.Tensor, *, num_condition_video_rows: int = 0, num_condition_audio_rows: int = 0,
             progress=None, check_interrupt=None, chunking=None, precompute: bool = True,
             step_cache: StepCacheSettings | None = None, step_report=None,
-            step_cache_name: str = "step_cache") -> DenoiseResult:
+            step_cache_name: str = "step_cache", denoised=None) -> DenoiseResult:
     """The sampling loop: N - 1 DiT calls, each followed by the Euler update of the target rows.
 
     `video_rows` holds the (already noised) condition rows first, then the initial noise of the target rows;
@@ -149,6 +157,10 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
     `step_cache` (`StepCacheSettings`, None: off) skips the middle blocks on calls whose first blocks barely change
     (DBCache, see models/step_cache.py); `DenoiseResult.step_cache` says what it did, and `step_report(stats)` gets
     the `StepCacheStats` so far after each call (with the cache on); `step_cache_name` names the option in errors.
+
+    `denoised(step, total, video_x0_rows, audio_x0_rows)` (None: off, and then nothing is computed for it) gets the
+    x0 estimates of the target rows after each model call, before `progress(step, total)`: the same tensors the Euler
+    update blends, so the samples are bitwise those of a run without it. It must not change them.
     """
     if check_interrupt is not None:
         check_interrupt()
@@ -207,10 +219,17 @@ def denoise(model, text_states: torch.Tensor, layout: PackedLayout, schedule: Sc
                                            f"step {i + 1} of {total} (its {name} velocity output)",
                                            dtype=getattr(model, "residual_dtype", None),
                                            config=getattr(model, "config", None), loras=getattr(model, "loras", ()))
-            video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
-                                    schedule.video_sigmas[i + 1])
-            audio[na:] = euler_step(audio[na:], v_audio[0, na:], t_audio, schedule.audio_sigmas[i],
-                                    schedule.audio_sigmas[i + 1])
+            if denoised is None:
+                video[nc:] = euler_step(video[nc:], v_video[0, nc:], t_video, schedule.video_sigmas[i],
+                                        schedule.video_sigmas[i + 1])
+                audio[na:] = euler_step(audio[na:], v_audio[0, na:], t_audio, schedule.audio_sigmas[i],
+                                        schedule.audio_sigmas[i + 1])
+            else:  # the same arithmetic, the x0 estimates shown to the caller between its two halves
+                x0_video = denoised_estimate(video[nc:], v_video[0, nc:], t_video)
+                x0_audio = denoised_estimate(audio[na:], v_audio[0, na:], t_audio)
+                denoised(i + 1, total, x0_video, x0_audio)
+                video[nc:] = euler_blend(video[nc:], x0_video, schedule.video_sigmas[i], schedule.video_sigmas[i + 1])
+                audio[na:] = euler_blend(audio[na:], x0_audio, schedule.audio_sigmas[i], schedule.audio_sigmas[i + 1])
             if progress is not None:
                 progress(i + 1, total)
     return DenoiseResult(video[nc:], audio[na:], plan.host_bytes if plan is not None else 0,

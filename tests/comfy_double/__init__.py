@@ -1,6 +1,6 @@
 """A small test double of the ComfyUI modules the pack uses (ComfyUI is not installable from PyPI).
 
-`modules/` holds `comfy_api.latest`, `comfy.model_management`, `comfy.nested_tensor`, `comfy.utils`, `folder_paths` and
+`modules/` holds `comfy_api.latest`, `comfy.cli_args` (the preview settings), `comfy.model_management`, `comfy.nested_tensor`, `comfy.utils`, `folder_paths` and
 `server`, with ComfyUI 0.33.0's signatures (contract/signatures.json, recorded from a real ComfyUI by
 record_contract.py; the model registry's calls and values were added from kat3ri/ComfyUI 0f1fa67, the other
 entries unchanged there).
@@ -28,6 +28,7 @@ def install(base_dir) -> None:
     `base_dir`."""
     if str(MODULES) not in sys.path:
         sys.path.insert(0, str(MODULES))
+    import comfy.cli_args
     import comfy.model_management
     import comfy.utils
     import comfy_api.latest  # noqa: F401  (imported so the check below sees it)
@@ -41,6 +42,8 @@ def install(base_dir) -> None:
     folder_paths.configure(str(base_dir))
     comfy.model_management.state.reset()
     comfy.utils.UPDATES.clear()
+    comfy.utils.PREVIEWS.clear()
+    comfy.cli_args.reset()
     server.PromptServer()
 
 

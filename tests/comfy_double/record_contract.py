@@ -61,6 +61,7 @@ CALLABLES = [
     ("comfy.utils", "ProgressBar.__init__"),
     ("comfy.utils", "ProgressBar.update_absolute"),
     ("comfy.utils", "ProgressBar.update"),
+    ("comfy.cli_args", "LatentPreviewMethod.from_string"),
     ("comfy.model_management", "get_torch_device"),
     ("comfy.model_management", "free_memory"),
     ("comfy.model_management", "get_free_memory"),
@@ -93,6 +94,8 @@ CALLABLES = [
 ]
 # Module-level values and classes that must exist with these properties.
 VALUES = [("comfy.model_management", "InterruptProcessingException"), ("folder_paths", "models_dir"),
+          ("comfy.cli_args", "LatentPreviewMethod"), ("comfy.cli_args", "args"),
+          ("comfy.cli_args", "args.preview_method"), ("comfy.cli_args", "args.preview_size"),
           ("comfy_api.latest._io", "Hidden"), ("comfy.model_management", "current_loaded_models"),
           ("comfy.model_management", "TOTAL_PINNED_MEMORY"), ("comfy.model_management", "MAX_PINNED_MEMORY")]
 
@@ -130,7 +133,7 @@ def record_signatures() -> dict:
         data["callables"][f"{module_name}:{dotted}"] = describe(resolve(module_name, dotted))
     for module_name, dotted in VALUES:
         value = resolve(module_name, dotted)
-        if dotted == "Hidden":
+        if dotted in ("Hidden", "LatentPreviewMethod"):
             data["values"][f"{module_name}:{dotted}"] = {member.name: member.value for member in value}
         elif isinstance(value, type):
             data["values"][f"{module_name}:{dotted}"] = [base.__name__ for base in value.__mro__]

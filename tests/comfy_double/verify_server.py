@@ -1,12 +1,13 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload]
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview | --only-remote-refused]
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
 `--only-unload` runs only the model-management check below (for iterating on it); `--only-remote-refused` (or its
 alias `--only-audio-health`) only the two checks of issue 29: the remote example pointed at a closed port must end in
 the node's "refused" error within 2 s of queueing, and the tiny example must run with no audio health message on
-Decode Audio.
+Decode Audio; `--only-preview` only the live preview checks (latent2rgb, none, and taesd: TAEH3 when the server has
+models/vae_approx/taeh3*.safetensors).
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -24,6 +25,8 @@ The step cache: the tiny example with the sampler at step_cache quality (30 step
 sampler's progress text, cached ones among them, the run's summary at the end and its cached steps in the badge's
 message; a cached run cancelled after its first cached call must stop in the sampler, and the same prompt then runs
 to the end with its hits.
+Live previews: the sampler's step previews reach only the client that queued, as ComfyUI's binary preview messages
+(with the sampler's node id for a client that announced supports_preview_metadata), and change during the run.
 ComfyUI's "Unload models": after the tiny example, `POST /free {"unload_models": true}` must release the H3 components
 ComfyUI's model management now knows (the server's VmRSS falls by at least half the weights the loader kept
 resident), and the example with another seed must then run (the components load again); the same after
@@ -150,6 +153,97 @@ def only_the_queuing_client_hears(server: str, prompt: dict) -> bool:
     ok = a["memory"] > 0 and a["text"] > 0 and b == {"memory": 0, "text": 0}
     print(f"  per-client telemetry: queuing client {a}, other client {b}{'' if ok else '  <-- FAILED'}")
     return ok
+
+
+def previews_reach_only_the_queuing_client(server: str, example: dict, method: str, taeh3=None) -> bool:
+    """The tiny example at PREVIEW_STEPS steps, preview method `method` (the frontend's per-prompt choice,
+    `extra_data.preview_method`, which ComfyUI puts over --preview-method for that prompt). Two websocket clients,
+    A announcing `supports_preview_metadata` (as the frontend does), B not. A queues: A must get one binary
+    PREVIEW_IMAGE_WITH_METADATA (4) per sampler step, each naming the sampler's node id, and B none; then B queues: B
+    must get plain PREVIEW_IMAGE (1) messages and A none. The pictures must change during the run (first != last).
+    ComfyUI scales every preview to --preview-size, so the method shows in the sampler's progress text: with `taesd`,
+    `taeh3` True (the server has the file) means no "TAEH3 previews ..." notice there, False means that notice (the
+    fallback to latent2rgb). `none`: nobody gets any."""
+    import asyncio
+    import io
+    import struct
+
+    import aiohttp
+    from PIL import Image
+
+    prompt = json.loads(json.dumps(example))
+    sampler = next(k for k, v in prompt.items() if v["class_type"] == "H3StreamAVSampler")
+    prompt[sampler]["inputs"]["steps"] = PREVIEW_STEPS
+    ok = True
+
+    async def run(queuer: str) -> dict:
+        heard = {c: [] for c in "AB"}  # (binary event type, metadata or None, image)
+        heard["texts"] = []  # the queuing client's progress texts
+        ws_url = server.replace("http", "ws", 1)
+        async with aiohttp.ClientSession() as session:
+            ids = {c: f"{c}-{uuid.uuid4()}" for c in "AB"}
+            sockets = {c: await session.ws_connect(f"{ws_url}/ws?clientId={ids[c]}") for c in "AB"}
+            await sockets["A"].send_json({"type": "feature_flags", "data": {"supports_preview_metadata": True}})
+            await asyncio.sleep(0.5)
+            prompt[sampler]["inputs"]["seed"] = int(time.time() * 1000) % 2**31  # not cached: the sampler runs
+            body = {"prompt": prompt, "client_id": ids[queuer], "extra_data": {"preview_method": method}}
+            async with session.post(f"{server}/prompt", json=body) as queued:
+                prompt_id = (await queued.json())["prompt_id"]
+
+            async def listen(name: str) -> None:
+                async for message in sockets[name]:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        kind = struct.unpack(">I", message.data[:4])[0]
+                        if kind == 4:
+                            length = struct.unpack(">I", message.data[4:8])[0]
+                            metadata = json.loads(message.data[8:8 + length])
+                            heard[name].append((kind, metadata, Image.open(io.BytesIO(message.data[8 + length:]))))
+                        elif kind == 1:
+                            heard[name].append((kind, None, Image.open(io.BytesIO(message.data[8:]))))
+                        elif kind == 3 and name == queuer:
+                            length = struct.unpack(">I", message.data[4:8])[0]
+                            heard["texts"].append(message.data[8 + length:].decode())
+                    elif message.type == aiohttp.WSMsgType.TEXT:
+                        data = json.loads(message.data)
+                        if name == queuer and data.get("type") in ("execution_success", "execution_error") \
+                                and data["data"].get("prompt_id") == prompt_id:
+                            return
+
+            other = "B" if queuer == "A" else "A"
+            listener = asyncio.ensure_future(listen(other))
+            await asyncio.wait_for(listen(queuer), timeout=600)
+            await asyncio.sleep(1)  # anything sent to the other client would have arrived by now
+            listener.cancel()
+        return heard
+
+    for queuer, kind in (("A", 4), ("B", 1)):
+        heard = asyncio.run(run(queuer))
+        other = "B" if queuer == "A" else "A"
+        got = heard[queuer]
+        if method == "none":
+            good = got == [] and heard[other] == []
+            print(f"  previews {method}: queuing client {queuer} got {len(got)}, other {len(heard[other])}"
+                  f"{'' if good else '  <-- FAILED'}")
+            ok &= good
+            continue
+        pictures = [image.convert("RGB").tobytes() for _, _, image in got]
+        sizes = sorted({image.size for _, _, image in got})
+        notices = [text for text in heard["texts"] if "TAEH3 previews" in text]
+        good = (len(got) == PREVIEW_STEPS - 1 and all(k == kind for k, _, _ in got) and heard[other] == []
+                and len(set(pictures)) > 1 and pictures[0] != pictures[-1]
+                and (taeh3 is None or bool(notices) != taeh3))
+        if kind == 4:
+            good &= all(m["node_id"] == sampler and m["display_node_id"] == sampler for _, m, _ in got)
+        named = sorted({m["node_id"] for _, m, _ in got if m}) if kind == 4 else "-"
+        print(f"  previews {method}: client {queuer} (metadata {'on' if kind == 4 else 'off'}) got {len(got)} "
+              f"binary type-{kind} previews, sizes {sizes}, node ids {named}, {len(set(pictures))} distinct; "
+              f"the other client {len(heard[other])}" + (f"; TAEH3 notice: {notices[:1]}" if taeh3 is not None else "")
+              + ('' if good else '  <-- FAILED'))
+        ok &= good
+    return ok
+
+
+PREVIEW_STEPS = 12
 
 
 def core_latent_prompt() -> dict:
@@ -564,6 +658,20 @@ def start_engines(work: Path) -> list:
     return [engine.wait_ready() for engine in engines]
 
 
+def previews_checked(server: str, example: dict) -> int:
+    """The preview checks: latent2rgb, none, and taesd (TAEH3 when the server has models/vae_approx/taeh3*.safetensors,
+    else the said fallback). Returns the number that failed."""
+    print("live previews:")
+    failures = 0
+    for method in ("latent2rgb", "none"):
+        failures += not previews_reach_only_the_queuing_client(server, example, method)
+    taeh3 = any(name.startswith("taeh3") and name.endswith(".safetensors")
+                for name in call(f"{server}/models/vae_approx"))
+    print(f"  taesd with{'' if taeh3 else 'out'} models/vae_approx/taeh3*.safetensors on the server:")
+    failures += not previews_reach_only_the_queuing_client(server, example, "taesd", taeh3)
+    return failures
+
+
 def main() -> int:
     args = [a for a in sys.argv[1:] if not a.startswith("--only-")]
     server, output_dir = args[0].rstrip("/"), Path(args[1])
@@ -572,10 +680,14 @@ def main() -> int:
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
     tiny = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
-    if "--only-unload" not in sys.argv:
+    if "--only-unload" not in sys.argv and "--only-preview" not in sys.argv:
         failures += not remote_refused(server)
         failures += not audio_is_healthy(server, tiny)
     if "--only-remote-refused" in sys.argv or "--only-audio-health" in sys.argv:
+        return 1 if failures else 0
+    if "--only-unload" not in sys.argv:
+        failures += previews_checked(server, tiny)
+    if "--only-preview" in sys.argv:
         return 1 if failures else 0
     pid = int(args[2]) if len(args) > 2 else server_pid(server)
     failures += not unload_frees_and_reloads(server, tiny, pid)

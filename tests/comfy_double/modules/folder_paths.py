@@ -19,7 +19,7 @@ def configure(base: str) -> None:
     models_dir = os.path.join(base, "models")
     folder_names_and_paths.clear()
     for key, names in (("diffusion_models", ["unet", "diffusion_models"]), ("text_encoders", ["text_encoders", "clip"]),
-                       ("vae", ["vae"]), ("loras", ["loras"])):
+                       ("vae", ["vae"]), ("loras", ["loras"]), ("vae_approx", ["vae_approx"])):
         folder_names_and_paths[key] = ([os.path.join(models_dir, n) for n in names], set(supported_pt_extensions))
         for name in names:
             os.makedirs(os.path.join(models_dir, name), exist_ok=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 UPDATES: list[tuple] = []  # (node_id, value, total) of every update, in order
+PREVIEWS: list[tuple] = []  # (node_id, value, preview) of every update that carried a preview, in order
 
 
 class ProgressBar:
@@ -16,6 +17,8 @@ class ProgressBar:
             self.total = total
         self.current = min(value, self.total)
         UPDATES.append((self.node_id, self.current, self.total))
+        if preview is not None:  # the real one hands it to the server's hook: ("JPEG", PIL image, max size)
+            PREVIEWS.append((self.node_id, self.current, preview))
 
     def update(self, value):
         self.update_absolute(self.current + value)
