@@ -230,7 +230,7 @@ def test_the_decode_node_raises_the_error_and_shows_warnings(pack, monkeypatch):
     text = node_texts("5")[-1]
     warning, memory = text.split("\n")  # the warning first: the frontend shows the first line
     assert warning.startswith("audio warning: silence: the whole clip's RMS is -70") and \
-        memory.startswith("audio decode: device peak")
+        memory.startswith("audio decode: peak RAM")
     monkeypatch.undo()
     decode()  # the tiny model's own decode: the memory line only
     assert "audio warning" not in node_texts("5")[-1]
