@@ -44,6 +44,7 @@ class RequestNames:
     audio_shift: str = "audio_shift"
     first_frame: str = "first_frame"
     last_frame: str = "last_frame"
+    guides: str = "guides"
     reference_images: str = "reference_images"
     reference_videos: str = "reference_videos"
     reference_audios: str = "reference_audios"
@@ -170,6 +171,7 @@ class GenerationRequest:
     `names`' words); `dataclasses.replace` makes a changed copy, checked again.
 
     `first_frame` / `last_frame`: FL2VA keyframes (PIL images, [H, W, 3] or [1, H, W, 3] tensors in [0, 1], paths).
+    `guides`: `request.guides.Guide`s (an image, a clip, an audio or a clip with soundtrack at any target frame).
     `reference_images` (at most 9), `reference_videos` (at most 3: `(frames, waveform | None[, fps[, sample_rate]])`)
     and `reference_audios` (at most 3: a waveform [C, N] at 32 kHz or `(waveform, sample_rate)`): Ref2VA references,
     in request order images, videos, audios; `reference_image_size` "reference" / "max" / "match";
@@ -188,6 +190,7 @@ class GenerationRequest:
     audio_shift: float = AUDIO_SHIFT
     first_frame: object = None
     last_frame: object = None
+    guides: tuple = ()
     reference_images: tuple = ()
     reference_videos: tuple = ()
     reference_audios: tuple = ()
@@ -216,7 +219,7 @@ class GenerationRequest:
         set_(self, "seed", check_seed(self.seed, n.seed))
         set_(self, "video_shift", check_shift(self.video_shift, n.video_shift))
         set_(self, "audio_shift", check_shift(self.audio_shift, n.audio_shift))
-        for name in ("reference_images", "reference_videos", "reference_audios", "reference_labels"):
+        for name in ("guides", "reference_images", "reference_videos", "reference_audios", "reference_labels"):
             value = getattr(self, name)
             set_(self, name, tuple(value) if value is not None else ())
         if self.has_references:
