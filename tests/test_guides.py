@@ -182,3 +182,12 @@ def test_sampling_another_duration_or_canvas_than_the_guides_were_placed_on_is_r
     cond = pipeline.encode_prompt(request(Guide(frame=0, frames=frames())))
     with pytest.raises(H3Error, match="the guides were placed on 39 frames"):
         pipeline.sample(cond, num_frames=22)
+
+
+def test_the_memory_plan_counts_guide_rows_and_their_encodes(pipeline):
+    plain = pipeline.plan_request(request())
+    guided = pipeline.plan_request(request(Guide(frame=0, frames=frames(22), audio=sound(22))))
+    names = [phase.name for phase in guided.phases]
+    assert names[:3] == ["text encode", "keyframe encode", "reference audio encode"] and "sampling" in names
+    assert "keyframe encode" not in [phase.name for phase in plain.phases]
+    assert guided.phase("sampling").total_bytes > plain.phase("sampling").total_bytes

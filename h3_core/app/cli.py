@@ -441,7 +441,7 @@ def check_large_request(args, sources, request, residency, references=None) -> N
                                 num_frames=request.num_frames, steps=request.steps, dtype=DTYPES[args.dtype],
                                 chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
                                 keyframes=bool(request.anchors), residency=residency, references=references,
-                                step_cache=request.step_cache is not None)
+                                step_cache=request.step_cache is not None, guides=request.placed_guides)
     memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
     reasons = large_request_reasons(request.width, request.height, request.steps, estimate, memory,
                                     size_name="--size", steps_name="--steps")
@@ -509,7 +509,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
                               memory_budget_gb=args.memory_budget, width=request.width, height=request.height,
                               num_frames=request.num_frames, loras=request.loras, keep=args.keep,
                               steps=request.steps, dtype=DTYPES[args.dtype], keyframes=bool(request.anchors),
-                              log=say, references=references, step_cache=request.step_cache is not None)
+                              log=say, references=references, step_cache=request.step_cache is not None,
+                              guides=request.placed_guides)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "

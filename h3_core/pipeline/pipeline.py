@@ -304,7 +304,7 @@ class H3Pipeline:
 
     def plan(self, *, width: int, height: int, num_frames: int, steps: int | None = None, loras=(),
              step_cache: bool = False, keyframes: bool = False, references=None, chunk_size: int | None = None,
-             budget_bytes: int | None = None):
+             budget_bytes: int | None = None, guides=()):
         """The memory plan of a request as this pipeline runs it (its device, dtype, residencies, kept components,
         the transformer's chunk size unless `chunk_size` is given): what each phase holds (`MemoryPlan.phase`).
         Within `budget_bytes` (None: unbounded, so nothing is refused and the transformer is planned fused unless
@@ -319,20 +319,21 @@ class H3Pipeline:
             width=width, height=height, num_frames=num_frames, dtype=self.dtype, chunk_size=chunk_size,
             loras=loras or (), keep=tuple(name for name in self.COMPONENTS if name in self.kept),
             keyframes=keyframes, steps=steps or DEFAULT_STEPS, residency=self.residencies(), references=references,
-            step_cache=step_cache)
+            step_cache=step_cache, guides=guides)
 
     def plan_request(self, request: GenerationRequest, cond: Conditioning | None = None, *,
                      chunk_size: int | None = None, budget_bytes: int | None = None):
         """`plan` of a request: its keyframes and references from `cond` when it was encoded (as `sample` uses
         them), else from the request itself."""
         if cond is not None:
-            keyframes, references = bool(cond.keyframes) or any(g.num_frames for g in cond.guides), cond.references
+            keyframes, references, guides = bool(cond.keyframes), cond.references, cond.guides
         else:
-            keyframes = bool(request.keyframe_images) or any(g.num_frames for g in request.placed_guides)
+            keyframes, guides = bool(request.keyframe_images), request.placed_guides
             references = request.normalised_references(canvas_rules(self.sources))
         return self.plan(width=request.width, height=request.height, num_frames=request.num_frames,
                          steps=request.steps, loras=request.loras, step_cache=request.step_cache is not None,
-                         keyframes=keyframes, references=references, chunk_size=chunk_size, budget_bytes=budget_bytes)
+                         keyframes=keyframes, references=references, chunk_size=chunk_size, budget_bytes=budget_bytes,
+                         guides=guides)
 
     @serialised
     def room_needed(self, plan, phases) -> int:
