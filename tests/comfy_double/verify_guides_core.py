@@ -273,6 +273,17 @@ def main() -> int:
           and torch.equal(core_layout.audio_pos, ours.audio_indices))
     compare_positions("1344x768, 124 frames: image at -1 + audio at 40", core_layout, ours, check)
 
+    # A soundtrack one latent longer than the rest of the track (22 frames ending at the last of 107): core crops it.
+    spec = dict(frame=85, frames=image(n=22), audio=sound(22))
+    request = GenerationRequest("p", width=width, height=height, num_frames=107, guides=(Guide(**spec),))
+    latent, _ = core_nodes._empty_av_latent(width, height, 107)
+    positive = core_nodes.MiniMaxH3AddGuide.execute(
+        [[torch.zeros(1, 3, 128), {}]], latent, 85, vae=StandInVideoVAE(), audio_vae=StandInAudioVAE(),
+        image=spec["frames"], audio={"waveform": spec["audio"][None], "sample_rate": 32000}).args[0]
+    core_latents = positive[0][1]["minimax_keyframes"][0]["audio_latent"].shape[-1]
+    check("a soundtrack 1 latent past the track's end is cropped as core crops it",
+          request.placed_guides[0].audio_latents == core_latents, f"{core_latents} latents")
+
     # Refusals: both refuse a frame outside the video and a clip past its end.
     for title, spec in (("a frame outside the video", dict(frame=124, frames=image())),
                         ("a clip past the end", dict(frame=110, frames=image(n=22)))):
