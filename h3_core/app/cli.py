@@ -19,6 +19,7 @@ from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, GenerationReq
 from ..request.grid import FPS
 from ..request.keyframes import check_image_file
 from ..request.media_files import output_problem
+from .guide_flags import GUIDE_HELP, read_guide_files
 from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
 from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, step_cache_settings
@@ -52,7 +53,8 @@ CLI_NAMES = RequestNames(prompt="the prompt", num_frames="--frames", steps="--st
                          video_shift="--video-shift", audio_shift="--audio-shift", first_frame="--first-frame",
                          last_frame="--last-frame", reference_images="--ref-image", reference_videos="--ref-video",
                          reference_audios="--ref-audio", reference_image_size="--ref-image-size", loras="--lora",
-                         server_lora="--server-lora", job_timeout="--job-timeout", step_cache="--step-cache")
+                         server_lora="--server-lora", job_timeout="--job-timeout", step_cache="--step-cache",
+                         guides="--guide")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -158,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "NVFP4) or a .gguf file, or a transformer folder")
     g.add_argument("--first-frame", type=Path, help="keyframe image for the first frame (FL2VA)")
     g.add_argument("--last-frame", type=Path, help="keyframe image for the last frame (FL2VA)")
+    g.add_argument("--guide", action="append", default=[], metavar="FILE[@FRAME]", help=GUIDE_HELP)
     g.add_argument("--ref-image", action="append", default=[], type=Path, metavar="FILE",
                    help="a reference image (Ref2VA, with --partition ref2va); repeat for several, at most 9")
     g.add_argument("--ref-video", action="append", default=[], type=Path, metavar="FILE",
@@ -369,7 +372,8 @@ def check_arguments(args, say) -> GenerationRequest:
         return GenerationRequest(
             prompt=args.prompt, width=width, height=height, num_frames=num_frames, seed=args.seed, **chosen,
             first_frame=args.first_frame, last_frame=args.last_frame, loras=tuple(loras),
-            step_cache=parse_step_cache(args, say), **read_reference_files(args, num_frames / FPS), names=names)
+            step_cache=parse_step_cache(args, say), **read_reference_files(args, num_frames / FPS), names=names,
+            guides=read_guide_files(getattr(args, "guide", ()), num_frames, say))
     except H3Error as exc:
         raise CliError(str(exc).replace("give the prompt as UTF-8 text", "check the terminal's encoding (locale) "
                                         "and give the prompt as UTF-8 text")) from None
@@ -437,7 +441,7 @@ def check_large_request(args, sources, request, residency, references=None) -> N
                                 num_frames=request.num_frames, steps=request.steps, dtype=DTYPES[args.dtype],
                                 chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
                                 keyframes=bool(request.anchors), residency=residency, references=references,
-                                step_cache=request.step_cache is not None)
+                                step_cache=request.step_cache is not None, guides=request.placed_guides)
     memory = None if args.memory_budget is not None else total_memory_bytes()  # a budget is checked by the plan
     reasons = large_request_reasons(request.width, request.height, request.steps, estimate, memory,
                                     size_name="--size", steps_name="--steps")
@@ -505,7 +509,8 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
                               memory_budget_gb=args.memory_budget, width=request.width, height=request.height,
                               num_frames=request.num_frames, loras=request.loras, keep=args.keep,
                               steps=request.steps, dtype=DTYPES[args.dtype], keyframes=bool(request.anchors),
-                              log=say, references=references, step_cache=request.step_cache is not None)
+                              log=say, references=references, step_cache=request.step_cache is not None,
+                              guides=request.placed_guides)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     say(f"generating {request.num_frames} frames ({request.seconds:.2f} s) at {request.width}x{request.height}, "

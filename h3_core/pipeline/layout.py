@@ -130,19 +130,51 @@ class PackedLayout:
                     text_indices=self.text_indices)
 
 
+@dataclass(frozen=True)
+class GuideBlock:
+    """The geometry of one guide's condition rows (`request.guides`): the target pixel `frame` it starts at
+    (resolved, 0 .. F - 1), its video latent frames on the target grid (0: audio alone; 1: an image) and its audio
+    latents per channel (0: none)."""
+
+    frame: int
+    latent_frames: int = 0
+    audio_latents: int = 0
+
+
+def guide_time(frame: int, origin: float) -> float:
+    """Rotary time of a guide at pixel `frame`: `origin + 5/3 x frame`, as ComfyUI core's PackedLayout computes it
+    (`cursor + FRAME_RESCALE * resolved_frame_index`). For the last frame this differs from `last_keyframe_time`
+    (SGLang's pairwise span sum) in the last float64 ulp for some lengths: `last_frame` keeps SGLang's."""
+    return float(origin) + ROPE_FRAME_UNITS * int(frame)
+
+
 def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_height: int, latent_width: int,
                         audio_latents: int, keyframe_anchors: tuple[str, ...] = (), patch_size=(1, 2, 2),
-                        audio_channels: int = AUDIO_CHANNELS) -> PackedLayout:
-    """Layout of a T2VA (no anchors) or FL2VA (`"first"` / `"last"` keyframe anchors, in packed order) request.
+                        audio_channels: int = AUDIO_CHANNELS, guides=()) -> PackedLayout:
+    """Layout of a T2VA (no anchors) or FL2VA (`"first"` / `"last"` keyframe anchors, in packed order) request,
+    with `guides` (`GuideBlock`s, request order).
 
     `text_tags` are the per-token tags of the text rows (1 for text, 0 for the rows of a keyframe's vision block).
+    Rows: `text | keyframes | guides | target audio | target video`, each guide its video rows (on the target grid,
+    frame-major, times from `guide_time`) then its audio rows (channel-major, `guide_time + n`, width pinned to the
+    target grid's extremes), as ComfyUI core's PackedLayout packs its keyframe list (core's first / last keyframes
+    come first there too). `video_indices` lists keyframe rows, guide video rows, then the target video;
+    `audio_indices` guide audio rows, then the target audio.
     """
     _, ph, pw = patch_size
     if latent_height % ph or latent_width % pw:
         raise H3Error(f"latent {latent_height}x{latent_width} is not divisible by the patch {ph}x{pw}.")
     num_text = int(text_tags.shape[0])
     frame_rows = (latent_height // ph) * (latent_width // pw)
-    num_cond = len(keyframe_anchors) * frame_rows
+    guides = list(guides)
+    for guide in guides:
+        if guide.latent_frames < 0 or guide.audio_latents < 0 or not (guide.latent_frames or guide.audio_latents):
+            raise H3Error(f"guide at frame {guide.frame}: it has no rows ({guide.latent_frames} latent frames, "
+                          f"{guide.audio_latents} audio latents).")
+    num_keyframe_rows = len(keyframe_anchors) * frame_rows
+    guide_video_rows = sum(g.latent_frames for g in guides) * frame_rows
+    guide_audio_rows = sum(g.audio_latents for g in guides) * audio_channels
+    num_cond = num_keyframe_rows + guide_video_rows + guide_audio_rows
     num_audio = audio_channels * audio_latents
     num_video = latent_frames * frame_rows
     cond_start = num_text
@@ -166,6 +198,21 @@ def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_heig
         pos[rows, 0] = t
         pos[rows, 1:] = grid
 
+    video_runs, audio_runs = [(cond_start, cond_start + num_keyframe_rows)], []
+    row = cond_start + num_keyframe_rows
+    for guide in guides:
+        time = guide_time(guide.frame, origin)
+        if guide.latent_frames:
+            rows = guide.latent_frames * frame_rows
+            _place_video(pos, row, guide.latent_frames, latent_height, latent_width, time, patch_size)
+            video_runs.append((row, row + rows))
+            row += rows
+        if guide.audio_latents:
+            rows = audio_channels * guide.audio_latents
+            _place_audio(pos, row, guide.audio_latents, time, width_axis, audio_channels)
+            audio_runs.append((row, row + rows))
+            row += rows
+
     _place_audio(pos, audio_start, audio_latents, origin, width_axis, audio_channels)
 
     times = latent_frame_times(latent_frames, origin)
@@ -173,18 +220,20 @@ def build_packed_layout(text_tags: torch.Tensor, latent_frames: int, latent_heig
     video_pos[:, :, 0] = times[:, None]
     video_pos[:, :, 1:] = grid[None]
 
+    video_indices = torch.cat([torch.arange(a, b) for a, b in video_runs] + [torch.arange(video_start, total)])
+    audio_indices = torch.cat([torch.arange(a, b) for a, b in audio_runs] + [torch.arange(audio_start, video_start)])
     tags = torch.empty(total, dtype=torch.long)
     tags[:num_text] = text_tags.to(torch.long)
-    tags[cond_start:audio_start] = VIDEO_TAG
-    tags[audio_start:video_start] = AUDIO_TAG
-    tags[video_start:] = VIDEO_TAG
+    tags[video_indices] = VIDEO_TAG
+    tags[audio_indices] = AUDIO_TAG
     return PackedLayout(
         position_ids=torch.from_numpy(pos),
         token_tags=tags,
-        video_indices=torch.cat([torch.arange(cond_start, audio_start), torch.arange(video_start, total)]),
-        audio_indices=torch.arange(audio_start, video_start),
+        video_indices=video_indices,
+        audio_indices=audio_indices,
         text_indices=torch.arange(num_text),
-        num_condition_video_rows=num_cond,
+        num_condition_video_rows=num_keyframe_rows + guide_video_rows,
+        num_condition_audio_rows=guide_audio_rows,
     )
 
 

@@ -39,7 +39,8 @@ from ..runtime.residency import Residency
 from ..sources.model_sources import (ModelSources, canvas_rules, check_components_match, safetensors_files,
                                      transformer_partition)
 from ..request.audio_health import check_audio, raise_audio_errors, warning_line
-from .layout import (ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
+from ..request.guides import prepare_guide_frames
+from .layout import (GuideBlock, ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
                      unpatchify)
 from .preview import StepEstimate
 from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
@@ -62,6 +63,7 @@ class Conditioning:
     anchors: tuple[str, ...] = ()
     references: ReferenceRequest | None = None  # Ref2VA references, normalised, in request order
     request: GenerationRequest | None = None  # what was encoded: its canvas and duration are the sample's
+    guides: tuple = ()  # request.guides.PlacedGuide: guides at any frame, checked against the encoded request
 
 
 @dataclass
@@ -302,7 +304,7 @@ class H3Pipeline:
 
     def plan(self, *, width: int, height: int, num_frames: int, steps: int | None = None, loras=(),
              step_cache: bool = False, keyframes: bool = False, references=None, chunk_size: int | None = None,
-             budget_bytes: int | None = None):
+             budget_bytes: int | None = None, guides=()):
         """The memory plan of a request as this pipeline runs it (its device, dtype, residencies, kept components,
         the transformer's chunk size unless `chunk_size` is given): what each phase holds (`MemoryPlan.phase`).
         Within `budget_bytes` (None: unbounded, so nothing is refused and the transformer is planned fused unless
@@ -317,20 +319,21 @@ class H3Pipeline:
             width=width, height=height, num_frames=num_frames, dtype=self.dtype, chunk_size=chunk_size,
             loras=loras or (), keep=tuple(name for name in self.COMPONENTS if name in self.kept),
             keyframes=keyframes, steps=steps or DEFAULT_STEPS, residency=self.residencies(), references=references,
-            step_cache=step_cache)
+            step_cache=step_cache, guides=guides)
 
     def plan_request(self, request: GenerationRequest, cond: Conditioning | None = None, *,
                      chunk_size: int | None = None, budget_bytes: int | None = None):
         """`plan` of a request: its keyframes and references from `cond` when it was encoded (as `sample` uses
         them), else from the request itself."""
         if cond is not None:
-            keyframes, references = bool(cond.keyframes), cond.references
+            keyframes, references, guides = bool(cond.keyframes), cond.references, cond.guides
         else:
-            keyframes = bool(request.keyframe_images)
+            keyframes, guides = bool(request.keyframe_images), request.placed_guides
             references = request.normalised_references(canvas_rules(self.sources))
         return self.plan(width=request.width, height=request.height, num_frames=request.num_frames,
                          steps=request.steps, loras=request.loras, step_cache=request.step_cache is not None,
-                         keyframes=keyframes, references=references, chunk_size=chunk_size, budget_bytes=budget_bytes)
+                         keyframes=keyframes, references=references, chunk_size=chunk_size, budget_bytes=budget_bytes,
+                         guides=guides)
 
     @serialised
     def room_needed(self, plan, phases) -> int:
@@ -365,6 +368,8 @@ class H3Pipeline:
         order, the vision blocks of images and videos. `check_interrupt()` runs between the encoder's layers and
         row chunks and may raise to stop (the encoder is released as after a finished encode, unless kept)."""
         request = GenerationRequest.of(request, fields)
+        for note in request.notes:
+            self.log(note)
         references = request.normalised_references(canvas_rules(self.sources))
         if references:
             self.check_ref2va_transformer()
@@ -389,7 +394,8 @@ class H3Pipeline:
             raise non_finite_error("the text encoder", safetensors_files(self.sources.text_encoder),
                                    "its output (the prompt's hidden states)", dtype=compute_dtype(encoder),
                                    config=getattr(encoder, "config", None))
-        return Conditioning(states.detach(), tags.detach(), keyframes, request.anchors, references, request)
+        return Conditioning(states.detach(), tags.detach(), keyframes, request.anchors, references, request,
+                            guides=request.placed_guides)
 
     @staticmethod
     def _text_encoder_view(references: ReferenceRequest) -> list[tuple]:
@@ -435,10 +441,19 @@ class H3Pipeline:
         steps, seed, loras = request.steps, request.seed, request.loras
         video_shift, audio_shift = request.video_shift, request.audio_shift
         schedule = Schedule.build(steps, video_shift, audio_shift)
+        guide_blocks = []
         if cond.references:
             condition_latents, reference_audio = self.encode_reference_latents(cond, check_interrupt=check_interrupt)
         else:
             condition_latents, reference_audio = self.encode_keyframes(cond, check_interrupt=check_interrupt), []
+            if cond.guides:
+                guide_video, guide_audio = self.encode_guides(cond, check_interrupt=check_interrupt)
+                guide_blocks = [GuideBlock(g.frame, 0 if v is None else int(v.shape[2]),
+                                           0 if a is None else int(a.shape[0]) // 2)
+                                for g, v, a in zip(cond.guides, guide_video, guide_audio)]
+                # Condition rows in packed order: keyframes, then each guide's video (its audio rows are clean).
+                condition_latents = condition_latents + [v for v in guide_video if v is not None]
+                reference_audio = [a for a in guide_audio if a is not None]
         self.enter_phase("sampling")
         dit = self.component("transformer")
         if loras is not None and not has_loras(dit, loras):
@@ -457,7 +472,7 @@ class H3Pipeline:
                                          shape.audio_latents, config.patch_size)
         else:
             layout = build_packed_layout(cond.tags, shape.latent_frames, shape.latent_height, shape.latent_width,
-                                         shape.audio_latents, cond.anchors, config.patch_size)
+                                         shape.audio_latents, cond.anchors, config.patch_size, guides=guide_blocks)
         # One CPU stream: the visual conditions' noises (request order), the video noise, the audio noise.
         noises, video_noise, audio_noise = initial_noise(
             shape.video, 2 * shape.audio_latents, shape.audio_latent_channels, seed,
@@ -467,7 +482,7 @@ class H3Pipeline:
         condition_rows = [patchify(noise_condition(c, n), config.patch_size)[0]
                           for c, n in zip(condition_latents, noises)]
         video_rows = torch.cat(condition_rows + [patchify(video_noise, config.patch_size)[0]])
-        audio_rows = torch.cat(reference_audio + [audio_noise])  # reference audio rows are clean (t = 1)
+        audio_rows = torch.cat(reference_audio + [audio_noise])  # reference / guide audio rows are clean (t = 1)
         result = denoise(dit, cond.states, layout, schedule, video_rows, audio_rows,
                          num_condition_video_rows=layout.num_condition_video_rows,
                          num_condition_audio_rows=layout.num_condition_audio_rows, progress=progress,
@@ -484,10 +499,11 @@ class H3Pipeline:
         """The phases `sample(cond)` runs, in order: the keyframe encode (keyframes) or the reference encodes (image /
         video references, then audio), then sampling."""
         refs = cond.references.references if cond.references else ()
-        phases = ["keyframe encode"] if cond.keyframes and not refs else []
+        guides = () if refs else cond.guides
+        phases = ["keyframe encode"] if (cond.keyframes or any(g.num_frames for g in guides)) and not refs else []
         if any(ref.kind != "audio" for ref in refs):
             phases.append("reference encode")
-        if any(ref.has_audio for ref in refs):
+        if any(ref.has_audio for ref in refs) or any(g.audio is not None for g in guides):
             phases.append("reference audio encode")
         return (*phases, "sampling")
 
@@ -511,6 +527,46 @@ class H3Pipeline:
                                        config=getattr(vae, "config", None))
             latents.append(latent)
         return latents
+
+    @serialised
+    def encode_guides(self, cond: Conditioning, *, check_interrupt: Callable[[], None] | None = None,
+                      ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """The guides' latents, per guide in request order: the video VAE's latent `[1, 24, T, H/16, W/16]` of its
+        frames fitted to the canvas (`prepare_guide_frames`, core's rule; encoded as keyframes are, the posterior
+        mean), or None for audio alone; and the audio VAE's clean rows `[2 * Ta, 32]` (posterior mean,
+        channel-major) of its audio, cropped to the end of the target's audio track as core does, or None. Runs in
+        the keyframe-encode phase (video VAE), then the reference-audio-encode phase (audio VAE). `sample` calls
+        it."""
+        canvas = cond.request
+        video: list[torch.Tensor | None] = [None] * len(cond.guides)
+        audio: list[torch.Tensor | None] = [None] * len(cond.guides)
+        if any(g.num_frames for g in cond.guides):
+            self.enter_phase("keyframe encode")
+            vae = self.component("video_vae")
+            for index, guide in enumerate(cond.guides):
+                if not guide.num_frames:
+                    continue
+                frames = prepare_guide_frames(guide.frames, canvas.width, canvas.height)[None]
+                latent = vae.encode(frames.to(self.device), check_interrupt=check_interrupt).float().cpu()
+                if not torch.isfinite(latent).all():
+                    raise non_finite_error("the video VAE's encoder", safetensors_files(self.sources.video_vae),
+                                           f"keyframe encode ({guide.label}'s latent)", dtype=compute_dtype(vae),
+                                           config=getattr(vae, "config", None))
+                video[index] = latent
+        if any(g.audio is not None for g in cond.guides):
+            self.enter_phase("reference audio encode")
+            vae = self.component("audio_vae")
+            for index, guide in enumerate(cond.guides):
+                if guide.audio is None:
+                    continue
+                latent = vae.encode(guide.audio[None].to(self.device), check_interrupt=check_interrupt).float().cpu()
+                rows = audio_to_rows(latent[..., :guide.max_audio_latents])[0]
+                if not torch.isfinite(rows).all():
+                    raise non_finite_error("the audio VAE's encoder", safetensors_files(self.sources.audio_vae),
+                                           f"reference audio encode ({guide.label}'s latent)",
+                                           dtype=compute_dtype(vae), config=getattr(vae, "config", None))
+                audio[index] = rows
+        return video, audio
 
     @serialised
     def encode_reference_latents(
@@ -591,10 +647,13 @@ class H3Pipeline:
         if encoded is None:
             return
         n = request.names
-        if cond.keyframes and (request.width, request.height) != (encoded.width, encoded.height):
+        if (cond.keyframes or cond.guides) and (request.width, request.height) != (encoded.width, encoded.height):
             raise H3Error(f"{n.width} / {n.height} {request.width}x{request.height}: the keyframes were fitted to "
                           f"{encoded.width}x{encoded.height} when the prompt was encoded; sample at that canvas, or "
                           "encode again at this one.")
+        if cond.guides and request.num_frames != encoded.num_frames:
+            raise H3Error(f"{n.num_frames} {request.num_frames}: the guides were placed on {encoded.num_frames} "
+                          "frames when the prompt was encoded; sample that many, or encode again with this duration.")
         if cond.references and request.num_frames != encoded.num_frames:
             raise H3Error(f"{n.num_frames} {request.num_frames}: the references were cut to {encoded.num_frames} "
                           "frames when the prompt was encoded; sample that many, or encode again with this duration.")

@@ -109,6 +109,18 @@ def packed_rows_estimate(shape: LatentShape, reference_rows: int = 0) -> int:
             + shape.latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2) + int(reference_rows))
 
 
+def guide_rows_estimate(guides, shape: LatentShape) -> int:
+    """The DiT rows a request's placed guides (`request.guides.PlacedGuide`) add: each clip's or image's 2x2-patched
+    latent rows on the target grid and 2 x its audio latents (guides do not enter the text encoder)."""
+    rows = 0
+    for guide in guides:
+        if guide.num_frames:
+            latent_frames = 1 if guide.num_frames == 1 else (guide.num_frames - 5) // 17 * 5 + 2
+            rows += latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
+        rows += AUDIO_CHANNELS * guide.audio_latents
+    return rows
+
+
 def reference_rows_estimate(references) -> int:
     """The rows a Ref2VA request's normalised references (`references.ReferenceRequest`) add: in the DiT, every
     image's and video's 2x2-patched latent rows and every audio's 2 x latents; in the text, each vision block's
@@ -277,6 +289,15 @@ def _reference_activations(video_source, references) -> int:
     return largest
 
 
+def _guide_activations(video_source, shape: LatentShape, guides) -> int:
+    """Encoding the longest guide clip on the canvas (one at a time), as `_reference_activations` counts a clip."""
+    c = resolve_video_vae_checkpoint(video_source).config
+    tile = min(256, shape.height) * min(256, shape.width)
+    return max((2 * g.num_frames * shape.height * shape.width * 3 * 4
+                + 4 * (min(g.num_frames, c.clip_length) + 2) * tile * c.block_out_channels[0] * 4
+                for g in guides if g.num_frames), default=0)
+
+
 def check_keep(keep) -> tuple[str, ...]:
     """The components to keep loaded through every phase, checked against `COMPONENTS`."""
     keep = tuple(keep)
@@ -291,7 +312,7 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                     keyframes: bool = False, staging_read_ahead: int | None = STAGING_READ_AHEAD,
                     host_budget_bytes: int | None = None, steps: int = DEFAULT_STEPS,
                     residency: str | Mapping[str, str] | None = None, references=None,
-                    step_cache: bool = False, host_memory_bytes: int | None = None) -> MemoryPlan:
+                    step_cache: bool = False, host_memory_bytes: int | None = None, guides=()) -> MemoryPlan:
     """Choose residency per component and the DiT's chunk budget so that every phase fits `budget_bytes`, or refuse
     naming the phase over budget and its biggest items.
 
@@ -311,17 +332,21 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
 
     `references` (a normalised `references.ReferenceRequest`): a Ref2VA request; its rows count in the
     transformer's activations and the chunk-size choice, and its reference-encode phases are planned.
-    `step_cache`: the request runs the step cache, whose residuals count in the transformer's activations."""
+    `step_cache`: the request runs the step cache, whose residuals count in the transformer's activations.
+    `guides` (a request's `placed_guides`): their rows count in the transformer's activations, their clips in the
+    keyframe-encode phase, their audio in a reference-audio-encode phase."""
     if budget_bytes <= 0:
         raise H3Error(f"memory budget must be positive, got {budget_bytes} bytes.")
     keep = check_keep(keep)
     shape = LatentShape.for_request(width, height, num_frames)
-    reference_rows = reference_rows_estimate(references) if references else 0
+    reference_rows = (reference_rows_estimate(references) if references else 0) + guide_rows_estimate(guides, shape)
+    guide_frames = any(g.num_frames for g in guides)  # the keyframe-encode phase; no vision tower (not in Qwen)
+    guide_audio = any(g.audio is not None for g in guides)
     dit, config, rows = _dit_estimate(sources.transformer, shape, dtype, steps=steps,
-                                      keyframes=keyframes or bool(references) and any(
+                                      keyframes=keyframes or guide_frames or bool(references) and any(
                                           r.kind != "audio" for r in references.references),
-                                      reference_rows=reference_rows, reference_audio=bool(references) and any(
-                                          r.has_audio for r in references.references), step_cache=step_cache)
+                                      reference_rows=reference_rows, reference_audio=guide_audio or bool(references)
+                                      and any(r.has_audio for r in references.references), step_cache=step_cache)
     text = _text_encoder_estimate(sources.text_encoder, sources.text_encoder_layer, dtype)
     components = [text, dit, *_vae_estimates(sources.video_vae, sources.audio_vae, shape)]
     # The planned per-row temporaries are those of the requested dtype (bf16 unless given).
@@ -339,10 +364,16 @@ def plan_for_budget(sources, *, device="cpu", budget_bytes: int, width: int, hei
                         f"({format_bytes(dit.fold_cache_bytes)})" if Platform.for_device(device).asynchronous_copies
                         else ""))
     phases = [PhaseSpec(name, component,
-                        _keyframe_activations(sources.video_vae, shape) if name == "keyframe encode" else None,
+                        max(_keyframe_activations(sources.video_vae, shape),
+                            _guide_activations(sources.video_vae, shape, guides))
+                        if name == "keyframe encode" else None,
                         parts=tuple(p for p in PHASE_PARTS[name] if keyframes or references or p != "vision"),
                         part_activations=_dit_part_activations(config, dtype) if component == "transformer" else ())
-              for name, component in PHASES if keyframes or name != "keyframe encode"]
+              for name, component in PHASES if keyframes or guide_frames or name != "keyframe encode"]
+    if guide_audio and not references:  # the guides' audio is encoded after their frames, before sampling
+        phases.insert(next(i for i, p in enumerate(phases) if p.name == "sampling"),
+                      PhaseSpec("reference audio encode", "audio_vae", None,
+                                parts=PHASE_PARTS["reference audio encode"]))
     if references:
         reference_phases = [(n, c) for n, c in REFERENCE_PHASES if n == "reference encode"
                             and any(r.kind != "audio" for r in references.references)
@@ -368,7 +399,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
                     memory_budget_gb: float | None = None, width: int, height: int, num_frames: int,
                     loras=(), keep=(), keyframes: bool = False, steps: int = DEFAULT_STEPS,
                     dtype: torch.dtype | None = None, log: Callable[[str], None] | None = None,
-                    references=None, step_cache: bool = False) -> dict:
+                    references=None, step_cache: bool = False, guides=()) -> dict:
     """Loader options per component from the user's settings; with a memory budget (GiB), the preflight decides
     (its per-phase breakdown goes to `log`), counting the components in `keep` in every phase, at the run's `dtype`
     and `steps`, with its `residency` unless "auto".
@@ -384,7 +415,7 @@ def plan_components(sources, *, device="cpu", residency: str = "auto", chunk_siz
                                height=height, num_frames=num_frames, dtype=dtype, chunk_size=chunk_size,
                                loras=loras, keep=keep, keyframes=keyframes, steps=steps,
                                residency=None if residency == "auto" else residency, references=references,
-                               step_cache=step_cache)
+                               step_cache=step_cache, guides=guides)
         if log:
             log(plan.describe())
         options = {name: dict(plan.component_options.get(name, {})) for name in COMPONENTS}

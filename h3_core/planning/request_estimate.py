@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..checkpoints.dit_loader import resolve_dit_checkpoint
 from ..request.grid import LatentShape
 from .memory_plan import format_bytes
-from .phase_plans import packed_rows_estimate, plan_for_budget, reference_rows_estimate
+from .phase_plans import guide_rows_estimate, packed_rows_estimate, plan_for_budget, reference_rows_estimate
 
 # Large-request thresholds: past any of them the CLI prints the estimate and runs only with --yes-large.
 LARGE_CANVAS_PIXELS = 1920 * 1088  # 1080p on the 32-pixel grid; the released model works at 1344x768
@@ -38,7 +38,8 @@ class RequestEstimate:
 
 def estimate_request(sources, *, device, width: int, height: int, num_frames: int, steps: int, dtype=None,
                      chunk_size=None, loras=(), keep=(), keyframes: bool = False,
-                     residency: str | None = None, references=None, step_cache: bool = False) -> RequestEstimate:
+                     residency: str | None = None, references=None, step_cache: bool = False,
+                     guides=()) -> RequestEstimate:
     """Memory from the planner's estimates (`planning.plan_for_budget`, weights exact from the headers, activations
     counted per phase) and transformer work from its parameter count and the packed rows: 2 x parameters x rows per
     call for the matmuls plus 4 x rows^2 x attention width per block for attention."""
@@ -46,11 +47,12 @@ def estimate_request(sources, *, device, width: int, height: int, num_frames: in
     plan = plan_for_budget(sources, device=device, budget_bytes=1 << 62, width=width, height=height,
                            num_frames=num_frames, dtype=dtype, chunk_size=chunk_size, loras=loras, keep=keep,
                            keyframes=keyframes, steps=steps, residency=residency, references=references,
-                           step_cache=step_cache)
+                           step_cache=step_cache, guides=guides)
     ckpt = resolve_dit_checkpoint(sources.transformer)
     c = ckpt.config
     shape = LatentShape.for_request(width, height, num_frames)
-    rows = packed_rows_estimate(shape, reference_rows_estimate(references) if references else 0)
+    rows = packed_rows_estimate(shape, (reference_rows_estimate(references) if references else 0)
+                                + guide_rows_estimate(guides, shape))
     params = sum(ckpt.numel(spec) for spec in ckpt.specs)
     calls = steps - 1
     flops = calls * (2.0 * params * rows + 4.0 * rows * rows * c.inner_dim * c.num_layers)

@@ -18,6 +18,7 @@ from ..errors import H3Error
 from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, StepCacheSettings, step_cache_settings
 from .grid import (FPS, MAX_SECONDS, LatentShape, align_num_frames, canvas_problem, frame_count_problem,
                    frames_for_seconds)
+from .guides import place_guides
 from .references import REFERENCE_IMAGE_SIZES, ReferenceRequest, build_references, check_reference_counts
 
 # torch.Generator.manual_seed takes -2**63 to 2**64 - 1 and wraps negative seeds (-1 is 2**64 - 1): seeds are the
@@ -44,6 +45,7 @@ class RequestNames:
     audio_shift: str = "audio_shift"
     first_frame: str = "first_frame"
     last_frame: str = "last_frame"
+    guides: str = "guides"
     reference_images: str = "reference_images"
     reference_videos: str = "reference_videos"
     reference_audios: str = "reference_audios"
@@ -170,6 +172,7 @@ class GenerationRequest:
     `names`' words); `dataclasses.replace` makes a changed copy, checked again.
 
     `first_frame` / `last_frame`: FL2VA keyframes (PIL images, [H, W, 3] or [1, H, W, 3] tensors in [0, 1], paths).
+    `guides`: `request.guides.Guide`s (an image, a clip, an audio or a clip with soundtrack at any target frame).
     `reference_images` (at most 9), `reference_videos` (at most 3: `(frames, waveform | None[, fps[, sample_rate]])`)
     and `reference_audios` (at most 3: a waveform [C, N] at 32 kHz or `(waveform, sample_rate)`): Ref2VA references,
     in request order images, videos, audios; `reference_image_size` "reference" / "max" / "match";
@@ -188,6 +191,7 @@ class GenerationRequest:
     audio_shift: float = AUDIO_SHIFT
     first_frame: object = None
     last_frame: object = None
+    guides: tuple = ()
     reference_images: tuple = ()
     reference_videos: tuple = ()
     reference_audios: tuple = ()
@@ -198,6 +202,9 @@ class GenerationRequest:
     names: RequestNames = field(default=PYTHON_NAMES, repr=False)
     # Normalised references per canvas rule (`normalised_references`): made once whoever asks first.
     _normalised: dict = field(default_factory=dict, init=False, repr=False)
+    # The guides checked against the canvas and duration (`placed_guides`) and the notes they gave (`notes`).
+    _placed_guides: tuple = field(default=(), init=False, repr=False)
+    _notes: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self):
         n = self.names
@@ -216,7 +223,7 @@ class GenerationRequest:
         set_(self, "seed", check_seed(self.seed, n.seed))
         set_(self, "video_shift", check_shift(self.video_shift, n.video_shift))
         set_(self, "audio_shift", check_shift(self.audio_shift, n.audio_shift))
-        for name in ("reference_images", "reference_videos", "reference_audios", "reference_labels"):
+        for name in ("guides", "reference_images", "reference_videos", "reference_audios", "reference_labels"):
             value = getattr(self, name)
             set_(self, name, tuple(value) if value is not None else ())
         if self.has_references:
@@ -226,6 +233,18 @@ class GenerationRequest:
                 raise H3Error(f"{n.first_frame} / {n.last_frame} cannot be combined with {' / '.join(n.references)}"
                               ": the Ref2VA layout with keyframes is not implemented; give keyframes (FL2VA) or "
                               "references (Ref2VA), not both.")
+        if self.guides:
+            if self.has_references:
+                raise H3Error(f"{n.guides} cannot be combined with {' / '.join(n.references)}: the Ref2VA layout "
+                              "with guides is not implemented; give guides (FL2VA) or references (Ref2VA), not both.")
+            shape = self.shape
+            anchors = tuple((name, frame) for anchor, name, frame in (
+                ("first", n.first_frame, 0), ("last", n.last_frame, self.num_frames - 1)) if anchor in self.anchors)
+            placed, notes = place_guides(self.guides, num_frames=self.num_frames, width=self.width,
+                                         height=self.height, audio_latents=shape.audio_latents, anchors=anchors,
+                                         name=n.guides)
+            set_(self, "_placed_guides", placed)
+            set_(self, "_notes", notes)
         if self.reference_image_size not in REFERENCE_IMAGE_SIZES:
             raise H3Error(f"{n.reference_image_size} {self.reference_image_size!r}: use one of "
                           f"{', '.join(REFERENCE_IMAGE_SIZES)}.")
@@ -255,6 +274,18 @@ class GenerationRequest:
     @property
     def keyframe_images(self) -> list:
         return [image for image in (self.first_frame, self.last_frame) if image is not None]
+
+    @property
+    def placed_guides(self) -> tuple:
+        """The guides checked against this request's canvas and duration (`request.guides.PlacedGuide`s, request
+        order): resolved frame, the clip frames kept, the audio as stereo 32 kHz."""
+        return self._placed_guides
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Lines to show the user about how the request was taken (a guide clip cropped to the 17k + 5 grid, ...);
+        the CLI prints them, `H3Pipeline` logs them."""
+        return self._notes
 
     @property
     def has_references(self) -> bool:
