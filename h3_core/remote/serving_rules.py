@@ -7,6 +7,16 @@ from the target; it takes no width, height or frame count. Read from SGLang 0.5.
 `request_validation.py`, `task_profiles.py`, `resolved_plan.py`, `time_request.py`, `configs/sample/minimax_h3.py`)
 and vLLM-Omni 0.30.0's (see `vllm_omni_api.py`).
 
+What each engine accepts beyond text (read from the same code):
+- SGLang 0.5.23: first / last keyframe images (`conditions` of role "keyframe", type "image", `frame_index` [0], [-1]
+  or [0, -1], in that order: `MINIMAX_H3_FL2VA_KEYFRAME_SIGNATURES`; its task profiles admit no other keyframe type,
+  though the schema names image | video | video_audio | audio), and references (role "reference": image, video,
+  video_audio, audio) on ref2va, with one keyframe signature beside them.
+- vLLM-Omni 0.30.0: the same keyframes (`extra_params.frame_indices`), and references; not both in one request.
+So a request's guides (`request.guides`) go to either engine only as one image at the first or the last frame (the
+keyframe they are); a guide in between, a clip, an audio or a clip with its soundtrack is refused before sending,
+naming the engine (`server_keyframes`): such guides are a local run's.
+
 Lowering keeps the request exact: the target is chosen so that the canvas and the frame count the server resolves are
 the ones asked for, and a request the server cannot make exactly is refused here, saying what it would make instead.
 """
