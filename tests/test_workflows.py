@@ -313,8 +313,10 @@ def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(execu
 def test_the_guides_example_chains_its_guides_into_the_request(executor):
     """The guides example's two H3 Guide nodes reach H3 Text Encode's request in chain order, named by their nodes
     (how h3_core's errors about a guide name it)."""
+    from comfy_double.executor import PromptExecutor
+
     prompt = json.loads((EXAMPLES / "api" / "H3 - Guides at Any Frame.json").read_text())
-    result = executor.run(prompt)
+    result = PromptExecutor(executor.node_classes).run(prompt)  # its own cache: every node runs and is seen
     (cond,) = result.outputs["2"]
     guides = cond.request.guides
     assert [g.label for g in guides] == ["H3 Guide #14 (frame 19)", "H3 Guide #15 (frame -1)"]
