@@ -273,6 +273,15 @@ def test_a_guide_sglang_cannot_take_is_refused_before_sending_naming_the_engine(
     assert len(fl2va.requests("POST", "/v1/videos")) == posts  # nothing was sent
 
 
+def test_a_guide_outside_the_video_is_refused_saying_the_frames_it_has(fl2va):
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    for frame in (107, -108):
+        with pytest.raises(H3Error, match=rf"^H3 Guide #6 \(frame {frame}\): frame {frame} is outside the video's 107 "
+                                          r"frames \(0 to 106, or -1 to -107 counting from the end\)\.$"):
+            engine(fl2va).generate("x", **REQUEST, guides=(_guide("image", frame),))
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts
+
+
 def test_two_images_for_one_end_are_refused_before_sending(fl2va):
     posts = len(fl2va.requests("POST", "/v1/videos"))
     with pytest.raises(H3Error, match=r"^H3 Guide #6 \(frame 0\): the first frame is already guided by first_frame; "

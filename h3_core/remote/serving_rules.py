@@ -88,6 +88,9 @@ def server_keyframes(request: GenerationRequest, engine: str) -> list[ServerKeyf
     last = request.num_frames - 1
     for guide in request.guides:
         at = guide.frame + request.num_frames if guide.frame < 0 else guide.frame
+        if not 0 <= at < request.num_frames:
+            raise H3Error(f"{guide.label}: frame {guide.frame} is outside the video's {request.num_frames} frames "
+                          f"(0 to {last}, or -1 to -{request.num_frames} counting from the end).")
         index = 0 if at == 0 else -1 if at == last else None
         if guide.kind != "image" or index is None:
             where = ("the first frame" if index == 0 else "the last frame" if index == -1 else
