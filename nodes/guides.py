@@ -22,7 +22,9 @@ from .sockets import H3Guides
 
 # core's MiniMaxH3AddGuide frame_idx range: past-the-end values are the request's error, in the video's frame count.
 FRAME_LIMIT = 9999
-FPS_TOLERANCE = 0.01
+# 23.976 fps (NTSC film) plays at 24 fps 0.1 % faster, which no one sees or hears: taken, with a note. Any other rate
+# would change the clip's speed, so it is refused with how to convert it.
+FPS_TOLERANCE = 0.03
 DESCRIPTION = ("Anchors an image, a clip, an audio, or a clip with its soundtrack at any frame of the video (negative "
                "frames count from the end: -1 is the last frame). Chain H3 Guide nodes through h3_guides to anchor "
                "several frames; connect the last one to H3 Text Encode (or H3 Generate, remote server). A VIDEO "
@@ -61,7 +63,11 @@ class H3StreamGuide(io.ComfyNode):
 
     @classmethod
     def execute(cls, frame, h3_guides=None, image=None, video=None, audio=None) -> io.NodeOutput:
-        guide = make_guide(frame, image=image, video=video, audio=audio, node_id=cls.hidden.unique_id)
+        from . import comfy_runtime
+
+        node_id = cls.hidden.unique_id
+        guide = make_guide(frame, image=image, video=video, audio=audio, node_id=node_id,
+                           note=lambda text: comfy_runtime.send_progress_text(node_id, text))
         return io.NodeOutput(tuple(h3_guides or ()) + (guide,))
 
 
@@ -69,9 +75,10 @@ def guide_label(node_id, frame: int) -> str:
     return f"H3 Guide #{node_id} (frame {frame})" if node_id is not None else f"H3 Guide (frame {frame})"
 
 
-def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None):
+def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None, note=lambda text: None):
     """The connected core IMAGE / VIDEO / AUDIO -> one `h3_core.request.guides.Guide`, or one error in the node's
-    words (only what the node alone can tell: nothing connected, an image and a video, a video not at 24 fps)."""
+    words (only what the node alone can tell: nothing connected, an image and a video, a video not at 24 fps).
+    `note(text)`: what the node's text should say (a 23.976 fps video taken as 24 fps)."""
     from h3_core.errors import H3Error
     from h3_core.request.grid import AUDIO_SAMPLE_RATE, FPS, MAX_SECONDS
     from h3_core.request.guides import Guide
@@ -96,6 +103,9 @@ def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None):
             raise H3Error(f"{label}: video: the clip is at {rate:g} fps and H3 makes {FPS} fps, one guide frame per "
                           f"video frame; convert it to {FPS} fps first (e.g. ffmpeg -i IN -r {FPS} OUT.mp4, then Load "
                           "Video), or connect its frames to image to use them as they are.")
+        if rate != FPS:
+            note(f"video at {rate:.3f} fps placed one frame per output frame at {FPS} fps "
+                 f"({abs(FPS / rate - 1) * 100:.1f} % {'faster' if rate < FPS else 'slower'}).")
         frames = _image_frames(images, label, "video")
         soundtrack = getattr(components, "audio", None)
     if audio is not None:

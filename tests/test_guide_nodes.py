@@ -154,8 +154,22 @@ def test_a_video_not_at_24_fps_is_refused_saying_how_to_convert_it(pack):
     assert message.startswith("H3 Guide #7 (frame 0): video: the clip is at 30 fps and H3 makes 24 fps")
     assert "ffmpeg -i IN -r 24 OUT.mp4" in message and "connect its frames to image" in message
     assert "\n" not in message
-    (made,) = guide(pack, video=video(rate=Fraction(24000, 1001) * Fraction(1001, 1000)))  # 24.0: fine
-    assert made.kind == "video_audio"
+    with pytest.raises(H3Error, match=r"the clip is at 25 fps"):
+        guide(pack, video=video(rate=Fraction(25)))
+
+
+def test_a_video_at_23_976_fps_is_taken_as_24_with_a_note(pack):
+    import server
+
+    messages = server.PromptServer.instance.messages
+    (made,) = guide(pack, video=video(rate=Fraction(24000, 1001)))
+    assert made.kind == "video_audio" and made.frames.shape[0] == 22
+    texts = [data for event, data, _ in messages if event == "progress_text"]
+    assert texts == [{"text": "video at 23.976 fps placed one frame per output frame at 24 fps (0.1 % faster).",
+                      "node": "7"}]
+    messages.clear()
+    guide(pack, video=video(rate=Fraction(24)))
+    assert not [data for event, data, _ in messages if event == "progress_text"]
 
 
 def test_a_batch_of_audios_is_refused(pack):
