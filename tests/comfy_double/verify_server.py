@@ -28,8 +28,8 @@ to the end with its hits.
 Live previews: the sampler's step previews reach only the client that queued, as ComfyUI's binary preview messages
 (with the sampler's node id for a client that announced supports_preview_metadata), and change during the run.
 H3 Guide (issue 30): the guides example runs and saves its files; its first guide fed a core VIDEO (Create Video of
-22 Empty Image frames at 24 fps, at frame 0) runs; the same VIDEO at 30 fps, and the guide with nothing connected, each
-end in one error in the node's words ("H3 Guide #14 (frame 0): video: the clip is at 30 fps ...").
+22 Empty Image frames at 24 fps, at frame 0) runs, and at 23.976 fps too; the same VIDEO at 30 fps, and the guide with
+nothing connected, each end in one error in the node's words ("H3 Guide #14 (frame 0): video: the clip is at 30 fps ...").
 ComfyUI's "Unload models": after the tiny example, `POST /free {"unload_models": true}` must release the H3 components
 ComfyUI's model management now knows (the server's VmRSS falls by at least half the weights the loader kept
 resident), and the example with another seed must then run (the components load again); the same after
@@ -324,7 +324,7 @@ def guides_checked(server: str, output_dir: Path) -> int:
 
 def guide_prompts(example: dict, guide: str) -> list[tuple[str, dict, str | None]]:
     """(what, prompt, the error fragment it must end in or None for a success) of the H3 Guide checks."""
-    def with_video(fps: int) -> dict:
+    def with_video(fps: float) -> dict:
         prompt = json.loads(json.dumps(example))
         prompt["90"] = {"class_type": "EmptyImage", "inputs": {"width": 96, "height": 64, "batch_size": 22,
                                                                "color": 8421504}}
@@ -337,12 +337,14 @@ def guide_prompts(example: dict, guide: str) -> list[tuple[str, dict, str | None
     nothing = json.loads(json.dumps(example))
     nothing[guide]["inputs"].pop("image")
     seed = int(time.time())
-    for prompt in (example, with_video(24)):
+    ntsc = with_video(24000 / 1001)
+    for prompt in (example, with_video(24), ntsc):
         for spec in prompt.values():
             if spec["class_type"] == "H3StreamAVSampler":
                 spec["inputs"]["seed"] = seed  # not a cached result: the nodes run
     return [("the guides example", example, None),
             ("a core VIDEO (Create Video, 24 fps) as a guide at frame 0", with_video(24), None),
+            ("a core VIDEO at 23.976 fps (taken as 24, with a note)", ntsc, None),
             ("a core VIDEO at 30 fps", with_video(30), f"H3 Guide #{guide} (frame 0): video: the clip is at 30 fps"),
             ("a guide with nothing connected", nothing,
              f"H3 Guide #{guide} (frame 19): connect an image, a video or an audio to anchor")]
