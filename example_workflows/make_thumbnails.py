@@ -27,10 +27,12 @@ CARDS = {
     "H3 - References to Video": ("References to video", ["images", "videos", "audio"], "Ref2VA: up to 9 + 3 + 3"),
     "H3 - Text to Video on a Remote Server": ("Remote server", ["prompt", "SGLang / vLLM"],
                                               "runs on an H3 server's GPUs"),
+    "H3 - Guides at Any Frame": ("Guides at any frame", ["image @ frame", "clip / audio"],
+                                 "H3 Guide: chain one per frame"),
 }
 ACCENTS = {"H3 - Text to Video and Audio": (64, 156, 255), "H3 - Turbo LoRA Text to Video": (255, 170, 60),
            "H3 - First and Last Frame to Video": (120, 210, 120), "H3 - References to Video": (200, 130, 255),
-           "H3 - Text to Video on a Remote Server": (80, 210, 210)}
+           "H3 - Text to Video on a Remote Server": (80, 210, 210), "H3 - Guides at Any Frame": (240, 110, 150)}
 
 
 def font(size: int) -> ImageFont.FreeTypeFont:

@@ -10,6 +10,7 @@ from .decode_video import H3StreamDecodeVideo
 from .latent_from_core import H3StreamLatentFromCore
 from .latent_to_core import H3StreamLatentToCore
 from .generate_remote import H3StreamGenerateRemote
+from .guides import H3StreamGuide
 from .loader import H3StreamLoader
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
@@ -38,6 +39,7 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamEncodePrompt,
     H3StreamAVSampler,
     H3StreamReferenceMedia,
+    H3StreamGuide,
 )
 
 

@@ -9,7 +9,7 @@ from comfy_api.latest import io
 
 from . import comfy_runtime
 from .request_inputs import canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames, sampler_inputs
-from .sockets import H3Refs
+from .sockets import H3Guides, H3Refs
 
 
 def _remote_sampler_inputs() -> list:
@@ -69,6 +69,9 @@ class H3StreamGenerateRemote(io.ComfyNode):
                                 tooltip="A LoRA file already on the server, PATH[:STRENGTH] (its path there), for this "
                                         "request: vLLM-Omni. An SGLang server's LoRA is set when it starts "
                                         "(sglang serve --lora-path). Empty: none."),
+                H3Guides.Input("h3_guides", optional=True,
+                               tooltip="Guides from H3 Guide. The servers take image guides at the first or the last "
+                                       "frame only (0 or -1, as their keyframes); other guides run locally."),
             ],
             outputs=[io.Image.Output(display_name="images"), io.Audio.Output(display_name="audio"),
                      io.Float.Output(display_name="fps")],
@@ -84,7 +87,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
     @classmethod
     def execute(cls, server_url, prompt, width, height, seconds, frames, steps, seed, video_shift, audio_shift,
                 first_frame=None, last_frame=None, h3_refs=None, backend="auto", job_timeout_minutes=120,
-                server_lora="") -> io.NodeOutput:
+                server_lora="", h3_guides=None) -> io.NodeOutput:
         from h3_core.remote import RemoteEngine
         from h3_core.remote.videos_client import check_server_url
         from h3_core.request.generation_request import GenerationRequest
@@ -94,7 +97,7 @@ class H3StreamGenerateRemote(io.ComfyNode):
         references = h3_refs.request_fields(count) if h3_refs is not None else {}
         request = GenerationRequest(prompt=prompt, width=width, height=height, num_frames=count, steps=steps,
                                     seed=seed, video_shift=video_shift, audio_shift=audio_shift,
-                                    first_frame=first_frame, last_frame=last_frame,
+                                    first_frame=first_frame, last_frame=last_frame, guides=tuple(h3_guides or ()),
                                     names=dataclasses.replace(names_for(frames), job_timeout="job_timeout_minutes"),
                                     **references)
         url = check_server_url(server_url, "server_url")

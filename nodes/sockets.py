@@ -17,6 +17,7 @@ H3Model = io.Custom("H3_MODEL")
 H3Cond = io.Custom("H3_COND")  # h3_core.pipeline.Conditioning: the states, and the request they were encoded for
 H3Latent = io.Custom("H3_LATENT")
 H3Refs = io.Custom("H3_REFS")
+H3Guides = io.Custom("H3_GUIDES")  # a tuple of h3_core.request.guides.Guide, in the order the H3 Guide nodes chain
 
 
 def after_input(what: str):

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 
 from . import comfy_runtime
 from .request_inputs import canvas_inputs, duration_inputs, frame_count_error, names_for, num_frames
-from .sockets import H3Cond, H3Model, H3Refs
+from .sockets import H3Cond, H3Guides, H3Model, H3Refs
 from .telemetry import phase
 
 DESCRIPTION = ("Encodes the prompt (and the optional first / last keyframes, FL2VA; or references, Ref2VA) with H3's "
@@ -28,6 +28,10 @@ def _inputs(*request_widgets) -> list:
     ]
 
 
+GUIDES_TOOLTIP = ("Guides at any frame (an image, a clip, an audio, a clip with its soundtrack) from a chain of H3 Guide "
+                  "nodes.")
+
+
 class H3StreamEncodePrompt(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -35,9 +39,12 @@ class H3StreamEncodePrompt(io.ComfyNode):
             node_id="H3StreamEncodePrompt",
             display_name="H3 Text Encode",
             category="H3 Stream/conditioning",
-            description=DESCRIPTION + " The canvas and the duration are set here, once: H3 Sampler makes them.",
+            description=DESCRIPTION + " The canvas and the duration are set here, once: H3 Sampler makes them. "
+                                      "Guides from H3 Guide anchor media at any frame.",
             search_aliases=["minimax h3", "h3 prompt", "clip text encode"],
-            inputs=_inputs(*canvas_inputs(), *duration_inputs()),
+            # h3_guides last: inputs are only ever appended (saved workflows are positional).
+            inputs=[*_inputs(*canvas_inputs(), *duration_inputs()),
+                    H3Guides.Input("h3_guides", optional=True, tooltip=GUIDES_TOOLTIP)],
             outputs=[H3Cond.Output(display_name="h3_cond")],
             hidden=[io.Hidden.unique_id],
         )
@@ -50,10 +57,10 @@ class H3StreamEncodePrompt(io.ComfyNode):
 
     @classmethod
     def execute(cls, h3_model, prompt, width, height, seconds, frames, first_frame=None, last_frame=None,
-                h3_refs=None) -> io.NodeOutput:
+                h3_refs=None, h3_guides=None) -> io.NodeOutput:
         count = num_frames(seconds, frames)
         return encode(cls.hidden.unique_id, h3_model, prompt=prompt, width=width, height=height, num_frames=count,
-                      first_frame=first_frame, last_frame=last_frame,
+                      first_frame=first_frame, last_frame=last_frame, guides=tuple(h3_guides or ()),
                       **(h3_refs.request_fields(count) if h3_refs is not None else {}), names=names_for(frames))
 
 

@@ -185,6 +185,111 @@ def test_references_for_a_server_stated_fl2va_are_refused_before_sending(fl2va):
     assert len(fl2va.requests("POST", "/v1/videos")) == posts
 
 
+# ---- guides (request.guides) ------------------------------------------------------------------------------------
+
+
+def frames_of(image) -> torch.Tensor:
+    """A PIL picture as a guide's frames [1, H, W, 3] in [0, 1] (exact in uint8: what goes is the picture)."""
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255)[None]
+
+
+def pixels_sha256(image) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.asarray(image.convert("RGB")).tobytes()).hexdigest()
+
+
+def test_image_guides_at_the_first_and_last_frame_go_as_sglangs_keyframe_conditions(fl2va):
+    """SGLang 0.5.23 takes keyframe images at frame_index [0], [-1] or [0, -1]: a guide at frame 106 of 107 is its
+    -1, given in any order they go 0 then -1, and the server holds the guides' own pixels (at the canvas size they go
+    as they are)."""
+    from h3_core.request.guides import Guide
+
+    start, end = picture(128, 64, seed=1), picture(128, 64, seed=2)
+    guides = (Guide(frame=106, frames=frames_of(end), label="H3 Guide #4 (frame 106)"),
+              Guide(frame=-107, frames=frames_of(start), label="H3 Guide #3 (frame -107)"))
+    before = len(fl2va.jobs())
+    result = engine(fl2va).generate("A door opens.", **REQUEST, guides=guides)
+    assert result.frames.shape == (107, 64, 128, 3)
+    job = fl2va.jobs()[before]
+    assert job["task"] == "fl2va"
+    assert job["conditions"] == [{"type": "image", "role": "keyframe", "frame_index": 0},
+                                 {"type": "image", "role": "keyframe", "frame_index": -1}]
+    assert [m["size"] for m in job["media"]] == [[128, 64], [128, 64]]
+    assert [m["pixels_sha256"] for m in job["media"]] == [pixels_sha256(start), pixels_sha256(end)]
+
+
+def test_a_guide_and_a_first_frame_go_together(fl2va):
+    from h3_core.request.guides import Guide
+
+    end = picture(128, 64, seed=3)
+    before = len(fl2va.jobs())
+    engine(fl2va).generate("x", **REQUEST, first_frame=picture(128, 64, seed=4),
+                           guides=(Guide(frame=-1, frames=frames_of(end), label="guide"),))
+    job = fl2va.jobs()[before]
+    assert [c["frame_index"] for c in job["conditions"]] == [0, -1]
+    assert job["media"][1]["pixels_sha256"] == pixels_sha256(end)
+
+
+def test_an_image_guide_goes_with_references_to_sglangs_ref2va(ref2va):
+    """SGLang's ref2va takes one keyframe signature beside references (its hybrid layout)."""
+    from h3_core.request.guides import Guide
+
+    before = len(ref2va.jobs())
+    result = engine(ref2va).generate("The same fox.", **REQUEST, reference_images=[picture(120, 80)],
+                                     guides=(Guide(frame=0, frames=frames_of(picture(128, 64, seed=5)),
+                                                   label="guide"),))
+    assert result.frames.shape == (107, 64, 128, 3)
+    job = ref2va.jobs()[before]
+    assert job["task"] == "ref2va"
+    assert job["conditions"] == [{"type": "image", "role": "keyframe", "frame_index": 0},
+                                 {"type": "image", "role": "reference"}]
+
+
+def _guide(kind, frame):
+    from h3_core.request.guides import Guide
+
+    frames = {"image": frames_of(picture(128, 64)), "video": torch.rand(22, 64, 128, 3), "audio": None,
+              "video_audio": torch.rand(22, 64, 128, 3)}[kind]
+    audio = tone(1.0) if kind in ("audio", "video_audio") else None
+    return Guide(frame=frame, frames=frames, audio=audio, label=f"H3 Guide #6 (frame {frame})")
+
+
+@pytest.mark.parametrize("kind,frame,what", [
+    ("image", 40, "an image at frame 40 (of 107 frames)"),
+    ("image", -2, "an image at frame -2 (of 107 frames)"),
+    ("video", 0, "a clip at the first frame"),
+    ("video_audio", -22, "a clip with its soundtrack at frame -22 (of 107 frames)"),
+    ("audio", -1, "an audio at the last frame"),
+])
+def test_a_guide_sglang_cannot_take_is_refused_before_sending_naming_the_engine(fl2va, kind, frame, what):
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    with pytest.raises(H3Error) as caught:
+        engine(fl2va).generate("x", **REQUEST, guides=(_guide(kind, frame),))
+    assert str(caught.value) == (f"H3 Guide #6 (frame {frame}): SGLang takes guides only as one image at the first or "
+                                 f"the last frame (frame 0 or -1, its keyframes), and this is {what}; run this "
+                                 "request locally, where a guide may be an image, a clip or an audio at any frame.")
+    assert not isinstance(caught.value, RemoteError)
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts  # nothing was sent
+
+
+def test_a_guide_outside_the_video_is_refused_saying_the_frames_it_has(fl2va):
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    for frame in (107, -108):
+        with pytest.raises(H3Error, match=rf"^H3 Guide #6 \(frame {frame}\): frame {frame} is outside the video's 107 "
+                                          r"frames \(0 to 106, or -1 to -107 counting from the end\)\.$"):
+            engine(fl2va).generate("x", **REQUEST, guides=(_guide("image", frame),))
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts
+
+
+def test_two_images_for_one_end_are_refused_before_sending(fl2va):
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    with pytest.raises(H3Error, match=r"^H3 Guide #6 \(frame 0\): the first frame is already guided by first_frame; "
+                                      r"give one image for it\.$"):
+        engine(fl2va).generate("x", **REQUEST, first_frame=picture(128, 64), guides=(_guide("image", 0),))
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts
+
+
 # ---- the CLI --------------------------------------------------------------------------------------------------------
 
 
@@ -294,6 +399,25 @@ def test_the_node_completes_ref2va_from_h3_references(ref2va, pack):
     assert images.shape == (107, 64, 128, 3)
     job = ref2va.jobs()[before]
     assert [c["type"] for c in job["conditions"]] == ["image", "audio"] and job["reference_resize_mode"] == "max"
+
+
+def test_the_node_sends_h3_guides_as_keyframes_and_refuses_one_in_between_in_its_words(fl2va, pack):
+    start, end = picture(128, 64, seed=7), picture(128, 64, seed=8)
+    (guides,) = run_node(pack, "H3StreamGuide", node_id="4", frame=-1, image=frames_of(end))
+    (guides,) = run_node(pack, "H3StreamGuide", node_id="5", frame=0, image=frames_of(start), h3_guides=guides)
+    before = len(fl2va.jobs())
+    images, _, _ = run_node(pack, "H3StreamGenerateRemote", server_url=fl2va.url, **NODE_REQUEST, h3_guides=guides)
+    assert images.shape == (107, 64, 128, 3)
+    job = fl2va.jobs()[before]
+    assert [(c["type"], c["role"], c["frame_index"]) for c in job["conditions"]] == [("image", "keyframe", 0),
+                                                                                     ("image", "keyframe", -1)]
+    assert [m["pixels_sha256"] for m in job["media"]] == [pixels_sha256(start), pixels_sha256(end)]
+    (middle,) = run_node(pack, "H3StreamGuide", node_id="6", frame=40, image=frames_of(start))
+    posts = len(fl2va.requests("POST", "/v1/videos"))
+    with pytest.raises(H3Error, match=r"^H3 Guide #6 \(frame 40\): SGLang takes guides only as one image at the "
+                                      r"first or the last frame"):
+        run_node(pack, "H3StreamGenerateRemote", server_url=fl2va.url, **NODE_REQUEST, h3_guides=middle)
+    assert len(fl2va.requests("POST", "/v1/videos")) == posts
 
 
 def test_cancel_in_comfyui_sends_delete_and_the_node_says_the_job_goes_on(fl2va, pack):

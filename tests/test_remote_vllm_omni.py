@@ -69,6 +69,30 @@ def test_fl2va_keyframes_complete(server, anchors):
     assert job["extra_args"]["frame_indices"] == [0 if a == "first" else -1 for a in anchors]
 
 
+def test_image_guides_at_the_ends_go_as_its_keyframes_and_others_are_refused_naming_it(server):
+    """vLLM-Omni takes keyframes at `frame_indices` [0], [-1] or [0, -1] only: an image guide at an end goes as one;
+    a guide in between, a clip or an audio is refused before sending; so is a guide beside references (its ref2va
+    reads every image as a reference)."""
+    from h3_core.request.guides import Guide
+
+    frames = torch.from_numpy(np.asarray(picture(448, 256, seed=3), dtype=np.float32) / 255)[None]
+    before = len(server.jobs())
+    engine(server).generate("x", **KEYFRAME_REQUEST, guides=(Guide(frame=106, frames=frames, label="g"),))
+    job = server.jobs()[before]
+    assert job["task"] == "fl2va" and job["media"] == {"image": 1} and job["extra_args"]["frame_indices"] == [-1]
+    posts = len(server.requests("POST", "/v1/videos"))
+    with pytest.raises(H3Error) as caught:
+        engine(server).generate("x", **KEYFRAME_REQUEST, guides=(Guide(frame=40, frames=frames, label="H3 Guide #2 "
+                                                                                                      "(frame 40)"),))
+    assert str(caught.value).startswith("H3 Guide #2 (frame 40): vLLM-Omni takes guides only as one image at the "
+                                        "first or the last frame (frame 0 or -1, its keyframes), and this is an image "
+                                        "at frame 40 (of 107 frames); run this request locally")
+    with pytest.raises(H3Error, match=r"^H3 Guide #3 \(frame 0\): vLLM-Omni takes keyframes without references only"):
+        engine(server).generate("x", **KEYFRAME_REQUEST, reference_images=[picture(300, 300)],
+                                guides=(Guide(frame=0, frames=frames, label="H3 Guide #3 (frame 0)"),))
+    assert len(server.requests("POST", "/v1/videos")) == posts
+
+
 @pytest.mark.parametrize("kind", ["image", "video_with_soundtrack", "audio_with_image"])
 def test_ref2va_each_reference_type_completes(server, kind):
     frames = np.stack([np.asarray(picture(256, 256, seed=i % 4)) for i in range(72)])  # 3 s at 24 fps, the smallest

@@ -310,6 +310,23 @@ def test_turbo_example_samples_with_the_tiny_lora_at_its_recommended_steps(execu
     assert sampling["lora_files"] == 1 and sampling["lora_bytes_moved"] > 0
 
 
+def test_the_guides_example_chains_its_guides_into_the_request(executor):
+    """The guides example's two H3 Guide nodes reach H3 Text Encode's request in chain order, named by their nodes
+    (how h3_core's errors about a guide name it)."""
+    from comfy_double.executor import PromptExecutor
+
+    prompt = json.loads((EXAMPLES / "api" / "H3 - Guides at Any Frame.json").read_text())
+    result = PromptExecutor(executor.node_classes).run(prompt)  # its own cache: every node runs and is seen
+    (cond,) = result.outputs["2"]
+    guides = cond.request.guides
+    assert [g.label for g in guides] == ["H3 Guide #14 (frame 19)", "H3 Guide #15 (frame -1)"]
+    assert [(g.kind, g.frame, tuple(g.frames.shape)) for g in guides] == [("image", 19, (1, 64, 96, 3)),
+                                                                          ("image", -1, (1, 64, 96, 3))]
+    orange, blue = (g.frames[0, 0, 0] for g in guides)  # the Empty Image colours 0xFF8C00 and 0x1E3A8A
+    assert torch.allclose(orange, torch.tensor([255, 140, 0]) / 255) and torch.allclose(blue, torch.tensor(
+        [30, 58, 138]) / 255)
+
+
 def test_every_example_is_run_by_a_test():
     assert sorted(LOCAL_API_FILES + REMOTE_API_FILES) == API_FILES and REMOTE_API_FILES
 

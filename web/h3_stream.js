@@ -17,7 +17,7 @@ const NODE_IDS = new Set([
   "H3StreamLoader", "H3StreamModelLoader", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamTextEncode",
   "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload",
   "H3StreamLoRA", "H3StreamReferenceMedia", "H3StreamReferences", "H3StreamGenerateRemote",
-  "H3StreamLatentToCore", "H3StreamLatentFromCore",
+  "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamGuide",
 ]);
 // The frontend's progress-text widget (shown by every renderer; `send_progress_text` on the server fills it).
 export const TEXT_WIDGET = "$$node-text-preview";

@@ -22,6 +22,7 @@ from ..request.generation_request import GenerationRequest
 from ..request.grid import AUDIO_SAMPLE_RATE
 from ..request.keyframes import _to_pil, prepare_keyframes
 from ..request.references import _video_entry, video_frames_uint8
+from .serving_rules import server_keyframes
 
 
 @dataclass(frozen=True)
@@ -113,17 +114,20 @@ def source_video(request: GenerationRequest, index: int, label: str) -> tuple[np
 
 
 def request_materials(request: GenerationRequest, *, images: list | None = None,
-                      videos: list | None = None) -> list[Material]:
+                      videos: list | None = None, engine: str = "the server") -> list[Material]:
     """The keyframes (fitted to the canvas, as a local run fits them), then the references in request order.
     `images`: the reference images to send, when the engine picks them (else the smaller of the user's and the
     resized one); `videos`: (frames, fps) of each reference video to send, when the engine picks them (else the
     user's, cut to the generated duration)."""
     materials = []
-    fitted = prepare_keyframes(request.keyframe_images, request.width, request.height)
-    for anchor, image in zip(request.anchors, fitted):
-        name = request.names.first_frame if anchor == "first" else request.names.last_frame
-        materials.append(Material("image", "keyframe", _png(image), "image/png", f"{anchor}_frame.png", name,
-                                  frame_index=0 if anchor == "first" else -1))
+    # Guides that are an image at the first / last frame go as those keyframes (fitted as first_frame / last_frame
+    # are); `check_servable` has refused any other guide, naming the engine.
+    keyframes = server_keyframes(request, engine)
+    fitted = prepare_keyframes([keyframe.image for keyframe in keyframes], request.width, request.height)
+    for keyframe, image in zip(keyframes, fitted):
+        anchor = "first" if keyframe.frame_index == 0 else "last"
+        materials.append(Material("image", "keyframe", _png(image), "image/png", f"{anchor}_frame.png", keyframe.label,
+                                  frame_index=keyframe.frame_index))
     references = request.normalised_references()
     for index, reference in enumerate(references.references if references else ()):
         if reference.kind == "image":

@@ -147,6 +147,7 @@ class RemoteEngine:
         if protocol.serves_h3(card) is False:
             raise RemoteError(f"the server at {self.url} serves {name}, not MiniMax H3; start it with "
                               f"{api.START_COMMAND.format(partition='fl2va')}.")
+        serving_rules.server_keyframes(request, api.NAME)  # a guide the engine cannot take, before the partition
         task = serving_rules.task_of(request)
         serving_rules.check_partition(task, protocol.served_partition(card), self.partition, self.url,
                                       api.START_COMMAND)

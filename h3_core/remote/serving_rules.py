@@ -7,6 +7,16 @@ from the target; it takes no width, height or frame count. Read from SGLang 0.5.
 `request_validation.py`, `task_profiles.py`, `resolved_plan.py`, `time_request.py`, `configs/sample/minimax_h3.py`)
 and vLLM-Omni 0.30.0's (see `vllm_omni_api.py`).
 
+What each engine accepts beyond text (read from the same code):
+- SGLang 0.5.23: first / last keyframe images (`conditions` of role "keyframe", type "image", `frame_index` [0], [-1]
+  or [0, -1], in that order: `MINIMAX_H3_FL2VA_KEYFRAME_SIGNATURES`; its task profiles admit no other keyframe type,
+  though the schema names image | video | video_audio | audio), and references (role "reference": image, video,
+  video_audio, audio) on ref2va, with one keyframe signature beside them.
+- vLLM-Omni 0.30.0: the same keyframes (`extra_params.frame_indices`), and references; not both in one request.
+So a request's guides (`request.guides`) go to either engine only as one image at the first or the last frame (the
+keyframe they are); a guide in between, a clip, an audio or a clip with its soundtrack is refused before sending,
+naming the engine (`server_keyframes`): such guides are a local run's.
+
 Lowering keeps the request exact: the target is chosen so that the canvas and the frame count the server resolves are
 the ones asked for, and a request the server cannot make exactly is refused here, saying what it would make instead.
 """
@@ -49,7 +59,51 @@ class ServerTarget:
 def task_of(request: GenerationRequest) -> str:
     if request.has_references:
         return TASK_REFERENCES
-    return TASK_KEYFRAMES if request.anchors else TASK_TEXT
+    return TASK_KEYFRAMES if request.anchors or request.guides else TASK_TEXT
+
+
+GUIDE_KINDS = {"image": "an image", "video": "a clip", "video_audio": "a clip with its soundtrack",
+               "audio": "an audio"}
+
+
+@dataclass(frozen=True)
+class ServerKeyframe:
+    """One keyframe condition: `frame_index` 0 or -1 (the servers' only two), the image as given, its label."""
+
+    frame_index: int
+    image: object
+    label: str
+
+
+def server_keyframes(request: GenerationRequest, engine: str) -> list[ServerKeyframe]:
+    """The request's keyframes as both engines take them: first_frame / last_frame and the guides that are one image
+    at the first or the last frame, ordered 0 then -1 (SGLang 0.5.23 and vLLM-Omni 0.30.0 take keyframe images at
+    `frame_index` [0], [-1] or [0, -1] only: SGLang's `MINIMAX_H3_FL2VA_KEYFRAME_SIGNATURES`, its task profiles admit
+    no other keyframe type; vLLM-Omni's `frame_indices`). Any other guide is refused naming the engine: a clip, an
+    audio, or a frame in between is guided by a local run only."""
+    names = request.names
+    keyframes = [ServerKeyframe(KEYFRAME_INDEX[anchor], image,
+                                names.first_frame if anchor == "first" else names.last_frame)
+                 for anchor, image in zip(request.anchors, request.keyframe_images)]
+    last = request.num_frames - 1
+    for guide in request.guides:
+        at = guide.frame + request.num_frames if guide.frame < 0 else guide.frame
+        if not 0 <= at < request.num_frames:
+            raise H3Error(f"{guide.label}: frame {guide.frame} is outside the video's {request.num_frames} frames "
+                          f"(0 to {last}, or -1 to -{request.num_frames} counting from the end).")
+        index = 0 if at == 0 else -1 if at == last else None
+        if guide.kind != "image" or index is None:
+            where = ("the first frame" if index == 0 else "the last frame" if index == -1 else
+                     f"frame {guide.frame} (of {request.num_frames} frames)")
+            raise H3Error(f"{guide.label}: {engine} takes guides only as one image at the first or the last frame "
+                          f"(frame 0 or -1, its keyframes), and this is {GUIDE_KINDS[guide.kind]} at {where}; run "
+                          "this request locally, where a guide may be an image, a clip or an audio at any frame.")
+        taken = next((k for k in keyframes if k.frame_index == index), None)
+        if taken is not None:
+            raise H3Error(f"{guide.label}: the {'first' if index == 0 else 'last'} frame is already guided by "
+                          f"{taken.label}; give one image for it.")
+        keyframes.append(ServerKeyframe(index, guide.frames[0], guide.label))
+    return sorted(keyframes, key=lambda keyframe: keyframe.frame_index == -1)
 
 
 def server_canvas(short_edge: int, aspect_ratio: str) -> tuple[int, int]:

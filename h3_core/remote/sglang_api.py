@@ -44,7 +44,7 @@ def check(request: GenerationRequest, server_lora=None) -> None:
 
 
 def materials(request: GenerationRequest) -> list[Material]:
-    return request_materials(request)
+    return request_materials(request, engine=NAME)
 
 
 def post_video(client, request: GenerationRequest, materials: list[Material], model: str | None,

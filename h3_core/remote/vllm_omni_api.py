@@ -94,7 +94,12 @@ def check(request: GenerationRequest, server_lora=None) -> None:
     if request.steps - 1 > MAX_STEPS:
         raise H3Error(f"{names.steps} {request.steps}: {NAME} takes at most {MAX_STEPS} model calls "
                       f"({MAX_STEPS + 1} steps).")
-    if request.anchors:
+    keyframes = serving_rules.server_keyframes(request, NAME)
+    if keyframes and request.has_references:  # only reachable with guides: first / last frames refuse references
+        raise H3Error(f"{keyframes[0].label}: {NAME} takes keyframes without references only (its ref2va reads every "
+                      "image as a reference); drop the guide or the references, or use an SGLang server, which takes "
+                      "both.")
+    if keyframes:
         problem = _image_problem(request.width, request.height)
         if problem:
             raise H3Error(f"{names.width} {request.width} / {names.height} {request.height}: keyframes are sent at "
@@ -136,10 +141,10 @@ def materials(request: GenerationRequest) -> list[Material]:
     as normalised for a local run (32 kHz stereo)."""
     references = request.normalised_references()
     if not references:
-        return request_materials(request)
+        return request_materials(request, engine=NAME)
     images = [_reference_image(request, i, r.image) for i, r in enumerate(references.references)
               if r.kind == "image"]
-    return request_materials(request, images=images, videos=_reference_videos(request, references))
+    return request_materials(request, images=images, videos=_reference_videos(request, references), engine=NAME)
 
 
 def post_video(client, request: GenerationRequest, sent: list[Material], model: str | None,

@@ -20,7 +20,8 @@ CONTRACT = Path(__file__).resolve().parent / "contract"
 PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
               "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA",
               "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamModelLoader", "H3StreamGenerateRemote",
-              "H3StreamReferences", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamReferenceMedia"]
+              "H3StreamReferences", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamReferenceMedia",
+              "H3StreamGuide"]
 CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "SaveAudioAdvanced", "EmptyMiniMaxH3LatentAV",
               "LTXVSeparateAVLatent", "LTXVConcatAVLatent"]
 # (module, dotted attribute) of every callable whose signature the double must share.

@@ -1,13 +1,13 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview | --only-remote-refused]
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview | --only-remote-refused | --only-guides]
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
 `--only-unload` runs only the model-management check below (for iterating on it); `--only-remote-refused` (or its
 alias `--only-audio-health`) only the two checks of issue 29: the remote example pointed at a closed port must end in
 the node's "refused" error within 2 s of queueing, and the tiny example must run with no audio health message on
-Decode Audio; `--only-preview` only the live preview checks (latent2rgb, none, and taesd: TAEH3 when the server has
-models/vae_approx/taeh3*.safetensors).
+Decode Audio; `--only-guides` only the H3 Guide checks below; `--only-preview` only the live preview checks
+(latent2rgb, none, and taesd: TAEH3 when the server has models/vae_approx/taeh3*.safetensors).
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -27,6 +27,9 @@ message; a cached run cancelled after its first cached call must stop in the sam
 to the end with its hits.
 Live previews: the sampler's step previews reach only the client that queued, as ComfyUI's binary preview messages
 (with the sampler's node id for a client that announced supports_preview_metadata), and change during the run.
+H3 Guide (issue 30): the guides example runs and saves its files; its first guide fed a core VIDEO (Create Video of
+22 Empty Image frames at 24 fps, at frame 0) runs, and at 23.976 fps too; the same VIDEO at 30 fps, and the guide with
+nothing connected, each end in one error in the node's words ("H3 Guide #14 (frame 0): video: the clip is at 30 fps ...").
 ComfyUI's "Unload models": after the tiny example, `POST /free {"unload_models": true}` must release the H3 components
 ComfyUI's model management now knows (the server's VmRSS falls by at least half the weights the loader kept
 resident), and the example with another seed must then run (the components load again); the same after
@@ -48,7 +51,7 @@ PACK = Path(__file__).resolve().parents[2]
 NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
             "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
             "H3StreamLatentFromCore", "H3StreamGenerateRemote", "H3StreamReferences", "H3StreamEncodePrompt",
-            "H3StreamAVSampler", "H3StreamReferenceMedia"]
+            "H3StreamAVSampler", "H3StreamReferenceMedia", "H3StreamGuide"]
 
 
 # The custom memory profile's widgets, and a legacy loader's (workflows saved before H3 Loader).
@@ -292,6 +295,59 @@ def prompts(remote_urls: list[str]) -> list[tuple[str, dict]]:
     saved = [(f"saved before the request moved: {path.name}", json.loads(path.read_text()))
              for path in sorted((PACK / "tests" / "legacy_workflows").glob("*.api.json"))]
     return examples + [("core latent round trip", core_latent_prompt()), ("legacy loader", legacy)] + saved
+
+
+def guides_checked(server: str, output_dir: Path) -> int:
+    """The H3 Guide checks (see the module's docstring); returns the number of failures."""
+    path = PACK / "example_workflows" / "api" / "H3 - Guides at Any Frame.json"
+    example = json.loads(path.read_text())
+    guide = next(k for k, v in example.items() if v["class_type"] == "H3StreamGuide" and "h3_guides" not in v["inputs"])
+    failures = 0
+    for name, prompt, fragment in guide_prompts(example, guide):
+        print(f"H3 Guide: {name}")
+        if fragment is not None:
+            failures += not fails_when_run(server, prompt, fragment)
+            continue
+        started = time.time()
+        history = wait_for(server, call(f"{server}/prompt", {"prompt": prompt,
+                                                             "client_id": str(uuid.uuid4())})["prompt_id"])
+        files = saved_files(history["outputs"])
+        present = [f for f in files if (output_dir / f.get("subfolder", "") / f["filename"]).is_file()]
+        ok = history["status"]["status_str"] == "success" and files and len(present) == len(files)
+        failures += not ok
+        print(f"  {history['status']['status_str']} in {time.time() - started:.1f} s; saved "
+              f"{[f['filename'] for f in present]}{'' if ok else '  <-- FAILED'}")
+        if not ok:
+            print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
+    return failures
+
+
+def guide_prompts(example: dict, guide: str) -> list[tuple[str, dict, str | None]]:
+    """(what, prompt, the error fragment it must end in or None for a success) of the H3 Guide checks."""
+    def with_video(fps: float) -> dict:
+        prompt = json.loads(json.dumps(example))
+        prompt["90"] = {"class_type": "EmptyImage", "inputs": {"width": 96, "height": 64, "batch_size": 22,
+                                                               "color": 8421504}}
+        prompt["91"] = {"class_type": "CreateVideo", "inputs": {"images": ["90", 0], "fps": fps, "bit_depth": 8}}
+        inputs = prompt[guide]["inputs"]
+        inputs.pop("image")
+        inputs.update(video=["91", 0], frame=0)
+        return prompt
+
+    nothing = json.loads(json.dumps(example))
+    nothing[guide]["inputs"].pop("image")
+    seed = int(time.time())
+    ntsc = with_video(24000 / 1001)
+    for prompt in (example, with_video(24), ntsc):
+        for spec in prompt.values():
+            if spec["class_type"] == "H3StreamAVSampler":
+                spec["inputs"]["seed"] = seed  # not a cached result: the nodes run
+    return [("the guides example", example, None),
+            ("a core VIDEO (Create Video, 24 fps) as a guide at frame 0", with_video(24), None),
+            ("a core VIDEO at 23.976 fps (taken as 24, with a note)", ntsc, None),
+            ("a core VIDEO at 30 fps", with_video(30), f"H3 Guide #{guide} (frame 0): video: the clip is at 30 fps"),
+            ("a guide with nothing connected", nothing,
+             f"H3 Guide #{guide} (frame 19): connect an image, a video or an audio to anchor")]
 
 
 def remote_cancel(server: str, engine) -> bool:
@@ -679,6 +735,8 @@ def main() -> int:
     missing = [node for node in NODE_IDS if node not in info]
     print(f"/object_info: {len(info)} nodes; pack nodes missing: {missing or 'none'}")
     failures = len(missing)
+    if "--only-guides" in sys.argv:
+        return 1 if failures + guides_checked(server, output_dir) else 0
     tiny = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
     if "--only-unload" not in sys.argv and "--only-preview" not in sys.argv:
         failures += not remote_refused(server)
@@ -714,6 +772,7 @@ def main() -> int:
         print(f"{name}: {status} in {time.time() - started:.1f} s; saved {names}{'' if ok else '  <-- FAILED'}")
         if status != "success":
             print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
+    failures += guides_checked(server, output_dir)
     for engine in engines:
         failures += not remote_cancel(server, engine)
         engine.__exit__(None, None, None)

@@ -72,6 +72,32 @@ def _write_mp4(path: str, width: int, height: int, frames: int, fps: int = 24, s
             container.mux(packet)
 
 
+def _media_summary(condition: dict) -> dict:
+    """What the server holds for a condition's `uri` (a `data:` URI or a path SGLang saved): its bytes' SHA-256 and,
+    for an image, its size and decoded RGB pixels' SHA-256, so that a test can check the media, not only the fields."""
+    import base64
+    import hashlib
+    import io
+
+    uri = str(condition.get("uri", ""))
+    if uri.startswith("data:"):
+        data = base64.b64decode(uri.split(",", 1)[1])
+    elif os.path.exists(uri):
+        with open(uri, "rb") as file:
+            data = file.read()
+    else:
+        return {"uri": uri[:64]}
+    summary = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    if condition.get("type") == "image":
+        import numpy as np
+        from PIL import Image
+
+        picture = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        summary.update(size=[picture.shape[1], picture.shape[0]],
+                       pixels_sha256=hashlib.sha256(picture.tobytes()).hexdigest())
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
@@ -154,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
             record = {"request_id": batch.request_id, "task": sampling.task, "target": sampling.target,
                       "conditions": [{key: value for key, value in condition.items() if key != "uri"}
                                      for condition in (sampling.conditions or [])],
+                      "media": [_media_summary(condition) for condition in (sampling.conditions or [])],
                       "seed": sampling.seed, "num_inference_steps": steps, "flow_shift": sampling.flow_shift,
                       "audio_flow_shift": sampling.audio_flow_shift,
                       "reference_resize_mode": sampling.reference_resize_mode,
