@@ -71,8 +71,7 @@ def test_fl2va_keyframes_complete(server, anchors):
 
 def test_image_guides_at_the_ends_go_as_its_keyframes_and_others_are_refused_naming_it(server):
     """vLLM-Omni takes keyframes at `frame_indices` [0], [-1] or [0, -1] only: an image guide at an end goes as one;
-    a guide in between, a clip or an audio is refused before sending; so is a guide beside references (its ref2va
-    reads every image as a reference)."""
+    a guide in between, a clip or an audio is refused before sending."""
     from h3_core.request.guides import Guide
 
     frames = torch.from_numpy(np.asarray(picture(448, 256, seed=3), dtype=np.float32) / 255)[None]
@@ -87,9 +86,6 @@ def test_image_guides_at_the_ends_go_as_its_keyframes_and_others_are_refused_nam
     assert str(caught.value).startswith("H3 Guide #2 (frame 40): vLLM-Omni takes guides only as one image at the "
                                         "first or the last frame (frame 0 or -1, its keyframes), and this is an image "
                                         "at frame 40 (of 107 frames); run this request locally")
-    with pytest.raises(H3Error, match=r"^H3 Guide #3 \(frame 0\): vLLM-Omni takes keyframes without references only"):
-        engine(server).generate("x", **KEYFRAME_REQUEST, reference_images=[picture(300, 300)],
-                                guides=(Guide(frame=0, frames=frames, label="H3 Guide #3 (frame 0)"),))
     assert len(server.requests("POST", "/v1/videos")) == posts
 
 

@@ -86,23 +86,18 @@ def server_keyframes(request: GenerationRequest, engine: str) -> list[ServerKeyf
                                 names.first_frame if anchor == "first" else names.last_frame)
                  for anchor, image in zip(request.anchors, request.keyframe_images)]
     last = request.num_frames - 1
-    for guide in request.guides:
-        at = guide.frame + request.num_frames if guide.frame < 0 else guide.frame
-        if not 0 <= at < request.num_frames:
-            raise H3Error(f"{guide.label}: frame {guide.frame} is outside the video's {request.num_frames} frames "
-                          f"(0 to {last}, or -1 to -{request.num_frames} counting from the end).")
-        index = 0 if at == 0 else -1 if at == last else None
+    # `placed_guides` were checked when the request was made (inside the video, no overlap with each other or with
+    # first_frame / last_frame): what is left to refuse is what these engines cannot take.
+    for placed in request.placed_guides:
+        guide = placed.guide
+        index = 0 if placed.frame == 0 else -1 if placed.frame == last else None
         if guide.kind != "image" or index is None:
             where = ("the first frame" if index == 0 else "the last frame" if index == -1 else
                      f"frame {guide.frame} (of {request.num_frames} frames)")
-            raise H3Error(f"{guide.label}: {engine} takes guides only as one image at the first or the last frame "
+            raise H3Error(f"{placed.label}: {engine} takes guides only as one image at the first or the last frame "
                           f"(frame 0 or -1, its keyframes), and this is {GUIDE_KINDS[guide.kind]} at {where}; run "
                           "this request locally, where a guide may be an image, a clip or an audio at any frame.")
-        taken = next((k for k in keyframes if k.frame_index == index), None)
-        if taken is not None:
-            raise H3Error(f"{guide.label}: the {'first' if index == 0 else 'last'} frame is already guided by "
-                          f"{taken.label}; give one image for it.")
-        keyframes.append(ServerKeyframe(index, guide.frames[0], guide.label))
+        keyframes.append(ServerKeyframe(index, guide.frames[0], placed.label))
     return sorted(keyframes, key=lambda keyframe: keyframe.frame_index == -1)
 
 

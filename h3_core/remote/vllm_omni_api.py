@@ -95,10 +95,6 @@ def check(request: GenerationRequest, server_lora=None) -> None:
         raise H3Error(f"{names.steps} {request.steps}: {NAME} takes at most {MAX_STEPS} model calls "
                       f"({MAX_STEPS + 1} steps).")
     keyframes = serving_rules.server_keyframes(request, NAME)
-    if keyframes and request.has_references:  # only reachable with guides: first / last frames refuse references
-        raise H3Error(f"{keyframes[0].label}: {NAME} takes keyframes without references only (its ref2va reads every "
-                      "image as a reference); drop the guide or the references, or use an SGLang server, which takes "
-                      "both.")
     if keyframes:
         problem = _image_problem(request.width, request.height)
         if problem:
