@@ -92,6 +92,62 @@ def test_durations_out_of_range_are_refused(seconds):
         extension_frame_count(seconds)
 
 
+class DriftingWindows:
+    """A stand-in for the model in the stitching test only (the end-to-end tests run the tiny model): every window
+    shows the same smooth global signal (a slow brightness wave, a 440 Hz tone) plus an offset of its own, as windows
+    whose guide is followed closely but not exactly. A hard cut at a seam would jump by the offsets' difference."""
+
+    def __init__(self, windows, offsets):
+        self.windows, self.offsets, self.calls = windows, offsets, 0
+
+    def generate(self, request, **kwargs):
+        from h3_core.request.generation_result import GenerationResult
+
+        window, offset = self.windows[self.calls], self.offsets[self.calls]
+        self.calls += 1
+        g = torch.arange(window.start, window.end, dtype=torch.float32)
+        level = 0.5 + 0.3 * torch.sin(2 * math.pi * g / 96) + offset
+        frames = level.view(-1, 1, 1, 1).expand(-1, request.height, request.width, 3).clone()
+        n = math.ceil(window.num_frames * 32000 / FPS)
+        t = (audio_sample(window.start) + torch.arange(n, dtype=torch.float64)) / 32000
+        tone = (0.3 * torch.sin(2 * math.pi * 440 * t)).float() + offset
+        return GenerationResult(frames, torch.stack([tone, tone]))
+
+
+def test_seams_are_cross_faded_over_the_overlap_not_cut_or_repeated(tmp_path):
+    from h3_core.pipeline.long_video import generate_long_video
+
+    total = long_frame_count(40)
+    windows = plan_windows(total)
+    offsets = [0.0, 0.08, -0.04][:len(windows)]
+    assert len(windows) == 3
+    generate_long_video(DriftingWindows(windows, offsets), GenerationRequest("a", **CANVAS), tmp_path / "o.mp4",
+                        total_frames=total)
+    frames, samples, *_ = read_video(tmp_path / "o.mp4")
+    assert len(frames) == total
+    level = frames.astype(np.float32).mean(axis=(1, 2, 3)) / 255
+    step = np.abs(np.diff(level))
+    inside = step.copy()
+    for w in windows[1:]:
+        inside[w.start - 1:w.start + OVERLAP_FRAMES] = np.nan
+    wave_step = np.nanmax(inside)  # the windows' own largest frame-to-frame change
+    for w, (before, after) in zip(windows[1:], zip(offsets, offsets[1:])):
+        jump = abs(after - before)
+        assert jump > 2 * wave_step  # what a hard cut here would show
+        seam = step[w.start - 1:w.start + OVERLAP_FRAMES]
+        # spread over the 22 frames: each step at most the wave's own plus 1/22 of the jump (+ the codec's rounding)
+        assert seam.max() <= wave_step + jump / OVERLAP_FRAMES + 2 / 255, (seam.max(), wave_step)
+        # the blend runs from one window to the other: its middle sits between them
+        g = w.start + OVERLAP_FRAMES // 2
+        wave = 0.5 + 0.3 * math.sin(2 * math.pi * g / 96)
+        assert abs(level[g] - (wave + (before + after) / 2)) < jump / OVERLAP_FRAMES + 2 / 255
+    mean = samples.mean(axis=0)
+    for w, (before, after) in zip(windows[1:], zip(offsets, offsets[1:])):  # the tone's DC moves, never jumps
+        lo, hi = audio_sample(w.start), audio_sample(w.start + OVERLAP_FRAMES)
+        dc = np.convolve(mean[lo - 4000:hi + 4000], np.ones(800) / 800, mode="valid")  # 40 cycles of 440 Hz
+        assert np.abs(np.diff(dc)).max() < abs(after - before) / 100
+
+
 # ---- end to end on the tiny model ----------------------------------------------------------------------------------
 
 
