@@ -11,6 +11,7 @@ from .latent_from_core import H3StreamLatentFromCore
 from .latent_to_core import H3StreamLatentToCore
 from .generate_remote import H3StreamGenerateRemote
 from .loader import H3StreamLoader
+from .long_video import H3StreamExtend, H3StreamLongVideo
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_loader import H3StreamModelLoader
@@ -38,6 +39,8 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamEncodePrompt,
     H3StreamAVSampler,
     H3StreamReferenceMedia,
+    H3StreamLongVideo,
+    H3StreamExtend,
 )
 
 
