@@ -488,7 +488,7 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     from .long_video_cli import generate_long, is_long_run
 
     if is_long_run(args):
-        return generate_long(args, say, outputs)
+        return generate_long(args, say, outputs, sys.modules[__name__])
     request = check_arguments(args, say)
     out = Path(args.out).expanduser()
     before = _identity(out)

@@ -21,16 +21,10 @@ def is_long_run(args) -> bool:
             or (args.frames is not None and args.frames > MAX_FRAMES))
 
 
-def _cli_error(message: str):
-    from .cli import CliError
-
-    return CliError(message)
-
-
-def long_run_frames(args, defaults, say) -> int:
+def long_run_frames(args, defaults, say, cli) -> int:
     """The frames to make: the whole video's (17n + 5), or with --extend the new frames after the clip (17k)."""
     if args.frames is not None and args.seconds is not None:
-        raise _cli_error("give --seconds or --frames, not both.")
+        raise cli.CliError("give --seconds or --frames, not both.")
     try:
         if args.extend is not None:
             if args.frames is not None:
@@ -53,33 +47,31 @@ def long_run_frames(args, defaults, say) -> int:
         seconds = args.seconds if args.seconds is not None else defaults["seconds"]
         return long_frame_count(seconds, "--seconds")
     except H3Error as exc:
-        raise _cli_error(str(exc)) from None
+        raise cli.CliError(str(exc)) from None
 
 
-def check_long_arguments(args, say):
+def check_long_arguments(args, say, cli):
     """(the template request, the frames to make, the clip to extend or None, the prompt schedule or None), every
     check done before any model loads."""
-    from .cli import MODEL_DEFAULTS, TINY_DEFAULTS, check_arguments
-
     if args.server:
-        raise _cli_error(f"{'--extend' if args.extend is not None else '--seconds / --prompt-schedule'}: a long video "
+        raise cli.CliError(f"{'--extend' if args.extend is not None else '--seconds / --prompt-schedule'}: a long video "
                          "or an extension is made window by window on this machine; a --server job makes one clip of "
                          "4 to 15 s. Drop --server, or ask for at most 15 s.")
-    defaults = TINY_DEFAULTS if args.model is None else MODEL_DEFAULTS
-    frames = long_run_frames(args, defaults, say)
+    defaults = cli.TINY_DEFAULTS if args.model is None else cli.MODEL_DEFAULTS
+    frames = long_run_frames(args, defaults, say, cli)
     clip = None
     if args.extend is not None:
         if args.first_frame is not None or args.last_frame is not None:
-            raise _cli_error("--first-frame / --last-frame: with --extend the clip's last frames start the new part; "
+            raise cli.CliError("--first-frame / --last-frame: with --extend the clip's last frames start the new part; "
                              "drop them.")
         from ..request.streamed_mp4 import ClipToExtend
 
         try:
             clip = ClipToExtend.read(args.extend, OVERLAP_FRAMES, "--extend")
         except H3Error as exc:
-            raise _cli_error(str(exc)) from None
+            raise cli.CliError(str(exc)) from None
         if args.size is not None and args.size.lower() != f"{clip.width}x{clip.height}":
-            raise _cli_error(f"--size {args.size}: an extension continues the clip at its own canvas, "
+            raise cli.CliError(f"--size {args.size}: an extension continues the clip at its own canvas, "
                              f"{clip.width}x{clip.height}; drop --size.")
         if not clip.has_audio:
             say(f"note: --extend {args.extend}: the clip has no audio track, so the new part is guided by its frames "
@@ -89,7 +81,7 @@ def check_long_arguments(args, say):
     template.seconds, template.frames = None, MAX_FRAMES
     if clip is not None:
         template.size = f"{clip.width}x{clip.height}"
-    request = check_arguments(template, say)
+    request = cli.check_arguments(template, say)
     request = request.replace(names=dataclasses.replace(request.names, num_frames="--seconds"))
     seconds = frames / FPS
     schedule = None
@@ -97,7 +89,7 @@ def check_long_arguments(args, say):
         try:
             schedule = parse_prompt_schedule(args.prompt_schedule, seconds, "--prompt-schedule")
         except H3Error as exc:
-            raise _cli_error(str(exc)) from None
+            raise cli.CliError(str(exc)) from None
         if args.prompt:
             say("note: --prompt-schedule gives every window its prompt; the positional prompt is not used")
     return request, frames, clip, schedule
@@ -116,8 +108,9 @@ def describe_windows(windows, frames: int, clip) -> str:
             f"by the previous window's last {OVERLAP_FRAMES} frames and their soundtrack, cross-faded with them")
 
 
-def generate_long(args, say, outputs: dict | None = None):
-    """`python -m h3_core generate` for a long video, a prompt schedule or an extension."""
+def generate_long(args, say, outputs: dict | None, cli):
+    """`python -m h3_core generate` for a long video, a prompt schedule or an extension. `cli` is the CLI's module
+    (its checks and errors, shared with a one-window run; passed in, as it imports this one)."""
     import torch
 
     from ..components import COMPONENTS
@@ -128,14 +121,13 @@ def generate_long(args, say, outputs: dict | None = None):
     from ..settings import DTYPES
     from ..sources.model_sources import canvas_rules, resolve_model
     from .audio_warnings import print_audio_warnings
-    from .cli import _existing, _identity, check_large_request
     from .progress import DownloadBar, ProgressBar, memory_report
 
-    request, frames, clip, schedule = check_long_arguments(args, say)
+    request, frames, clip, schedule = check_long_arguments(args, say, cli)
     windows = plan_windows(frames, guided_first=clip is not None)
     say(describe_windows(windows, frames, clip))
     out = Path(args.out).expanduser()
-    before = _identity(out)
+    before = cli._identity(out)
     if outputs is not None:
         outputs.update(path=out, before=before)
     if args.model is None:
@@ -147,12 +139,12 @@ def generate_long(args, say, outputs: dict | None = None):
     else:
         sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
     if args.transformer is not None:
-        sources = sources.replace(transformer=_existing(args.transformer, "--transformer"))
+        sources = sources.replace(transformer=cli._existing(args.transformer, "--transformer"))
     residency = None if args.residency == "auto" else args.residency
     # Every window is an ordinary request: the memory plan and the large-request check are the longest window's.
     longest = request.replace(num_frames=max(w.num_frames for w in windows))
     references = longest.normalised_references(canvas_rules(sources))
-    check_large_request(args, sources, longest, residency, references)
+    cli.check_large_request(args, sources, longest, residency, references)
     say(describe_windowed_estimate(sources, windows, device=args.device, width=request.width,
                                    height=request.height, steps=request.steps, dtype=DTYPES[args.dtype],
                                    chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
@@ -180,9 +172,7 @@ def generate_long(args, say, outputs: dict | None = None):
                                      new_frames=frames if clip else None, schedule=schedule,
                                      progress=progress, on_window=on_window)
     except H3Error as exc:
-        from .cli import CliError
-
-        raise CliError(str(exc)) from None
+        raise cli.CliError(str(exc)) from None
     finally:
         if bars:
             bars[-1].close()
