@@ -1,7 +1,7 @@
 """H3 Long Video and H3 Extend: videos longer than 15 s, and a clip continued, made window by window by
 `h3_core.pipeline.long_video` and streamed into one mp4 in ComfyUI's temp folder. The output is core's VIDEO backed by
 that file (`VideoFromFile`): Save Video copies its packets, so no node holds the whole clip's frames (an IMAGE
-batch of a 60 s 1344x768 clip would be 23 GB of float32). H3 Sampler makes one window of at most 15 s: its latents
+batch of a 60 s 1344x768 clip would be 17 GiB of float32). H3 Sampler makes one window of at most 15 s: its latents
 are one request's, decoded by the decode nodes; beyond 15 s the windows are stitched in pixels and samples, here."""
 
 from __future__ import annotations
