@@ -138,8 +138,9 @@ def run_windows(node_id, h3_model, request, frames: int, prompt_schedule: str, c
         note = (f"{frames} frames ({frames / FPS:.2f} s) in {count} window{'s' * (count > 1)} of at most 15 s" +
                 (", each after the first guided by the previous one's last 22 frames and their soundtrack, "
                  "cross-faded" if count > 1 else ""))
-    comfy_runtime.send_progress_text(node_id, note)
     longest = request.replace(num_frames=max(w.num_frames for w in windows))
+    note += "\n" + windowed_preflight(h3_model, windows, request)
+    comfy_runtime.send_progress_text(node_id, note)
     plan = pipeline.plan_request(longest)
     bar = comfy_runtime.progress_bar(count * calls, node_id=node_id)
     current = {"window": 0}
@@ -164,3 +165,14 @@ def run_windows(node_id, h3_model, request, frames: int, prompt_schedule: str, c
     comfy_runtime.send_progress_text(node_id, f"{note}\ndone: {result.num_frames} frames ({result.seconds:.2f} s) at "
                                               "24 fps, 32 kHz stereo")
     return io.NodeOutput(comfy_runtime.video_from_file(result.path))
+
+
+def windowed_preflight(h3_model, windows, request) -> str:
+    """The preflight of the windows (h3_core's: each window planned as its own request, the time summed)."""
+    from h3_core.planning.request_estimate import describe_windowed_estimate
+
+    settings = h3_model.settings
+    return describe_windowed_estimate(h3_model.pipeline.sources, windows, device=h3_model.pipeline.device,
+                                      width=request.width, height=request.height, steps=request.steps,
+                                      dtype=settings.torch_dtype, loras=h3_model.loras,
+                                      step_cache=request.step_cache is not None)

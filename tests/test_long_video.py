@@ -325,6 +325,21 @@ def test_an_interrupted_run_leaves_no_output_and_the_old_file_untouched(pipeline
     assert [p.name for p in tmp_path.iterdir()] == ["o.mp4"]
 
 
+def test_the_preflight_plans_each_window_and_sums_their_time(tinier):
+    from h3_core.planning.request_estimate import describe_windowed_estimate, estimate_request, format_flops
+    from h3_core.sources.model_sources import resolve_model
+
+    sources = resolve_model(tinier)
+    windows = plan_windows(long_frame_count(45))
+    each = [estimate_request(sources, device="cpu", width=64, height=32, num_frames=w.num_frames, steps=2,
+                             keyframes=bool(w.overlap)) for w in windows]
+    text = describe_windowed_estimate(sources, windows, device="cpu", width=64, height=32, steps=2)
+    assert text.startswith("preflight: 4 windows, each planned as its own request")
+    assert format_flops(sum(e.transformer_flops for e in each)) + " of transformer work in all" in text
+    longest = estimate_request(sources, device="cpu", width=64, height=32, num_frames=MAX_FRAMES, steps=2)
+    assert max(e.peak_bytes for e in each) <= longest.peak_bytes  # no window is planned past a 15 s request
+
+
 # ---- the CLI --------------------------------------------------------------------------------------------------------
 
 

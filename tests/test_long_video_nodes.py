@@ -72,6 +72,7 @@ def test_long_video_node_makes_windows_and_returns_a_file_backed_video(pack, h3_
     shown = texts("2")
     assert any("in 2 windows of at most 15 s" in text for text in shown)
     assert any("window 2 of 2" in text for text in shown)
+    assert any("preflight: 2 windows, each planned as its own request" in text for text in shown)
     assert f"done: {long_frame_count(16)} frames" in shown[-1]
     bar = [(value, total) for node, value, total in comfy.utils.UPDATES if node == "2"]
     assert bar[-1] == (2, 2) and len({total for _, total in bar}) == 1  # one bar across both windows' model calls
