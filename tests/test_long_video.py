@@ -40,9 +40,11 @@ def test_windows_cover_the_video_once_on_the_grid(seconds):
     assert all(b.start == a.end - OVERLAP_FRAMES for a, b in zip(windows, windows[1:]))
     assert windows[-1].end == total
     assert sum(w.num_frames - w.overlap for w in windows) == total
-    # as few windows as fit, of nearly equal length (no stub of a last window)
+    # as few windows as fit, all full but the last two, which share the rest (no stub of a last window)
     assert len(windows) == 1 + math.ceil(max(0, total - MAX_FRAMES) / (MAX_FRAMES - OVERLAP_FRAMES))
-    assert max(w.num_frames for w in windows) - min(w.num_frames for w in windows) <= 17
+    if len(windows) > 1:
+        assert all(w.num_frames == MAX_FRAMES for w in windows[:-2])
+        assert 0 <= windows[-2].num_frames - windows[-1].num_frames <= 17 and windows[-1].num_frames >= 8 * FPS
 
 
 @pytest.mark.parametrize("seconds", [0.5, 5, 15, 30])
@@ -53,6 +55,7 @@ def test_extension_windows_are_all_guided_and_add_whole_chunks(seconds):
     assert all(w.overlap == OVERLAP_FRAMES for w in windows)
     assert windows[0].start == -OVERLAP_FRAMES and windows[-1].end == new
     assert all(w.num_frames <= MAX_FRAMES and is_aligned_num_frames(w.num_frames) for w in windows)
+    assert all(w.num_frames == MAX_FRAMES for w in windows[:-2])
 
 
 def test_window_seeds_are_the_seed_first_then_distinct_and_repeatable():

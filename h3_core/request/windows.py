@@ -52,8 +52,9 @@ class Window:
 def plan_windows(total_frames: int, *, guided_first: bool = False, overlap: int = OVERLAP_FRAMES,
                  max_frames: int = MAX_FRAMES) -> tuple[Window, ...]:
     """Windows covering `total_frames` (17n + 5, or with `guided_first` a multiple of 17: the new frames after a
-    clip being extended). As few windows as fit, of nearly equal length (a last window of a second or two would be
-    far outside the 4-15 s H3 was trained on). With `guided_first` every window, the first too, is guided by the
+    clip being extended). As few windows as fit: all of the longest length but the last two, which share the rest
+    (each then at least about 8 s: a last window of a second or two would be far outside the 4-15 s H3 was trained
+    on). So a long video's largest window, and its memory plan, is a 15 s request's whatever its length. With `guided_first` every window, the first too, is guided by the
     `overlap` frames before it (the extended clip's last ones), which it makes again; they are not counted in
     `total_frames`."""
     if not is_aligned_num_frames(overlap):
@@ -75,8 +76,11 @@ def plan_windows(total_frames: int, *, guided_first: bool = False, overlap: int 
     while _capacity(count, max_units, guide_units, guided_first) < units:
         count += 1
     sizes_total = units + guide_units * (count - (0 if guided_first else 1))
-    base, extra = divmod(sizes_total, count)
-    sizes = [base + (1 if i < extra else 0) for i in range(count)]
+    if count == 1:
+        sizes = [sizes_total]
+    else:  # full windows, the last two sharing the rest: each at least about 8 s (the rest is over 22 chunks)
+        rest = sizes_total - max_units * (count - 2)
+        sizes = [max_units] * (count - 2) + [rest - rest // 2, rest // 2]
     windows, start = [], (-overlap if guided_first else 0)
     for i, size in enumerate(sizes):
         frames = FRAMES_PER_CHUNK * size + LATENTS_PER_CHUNK
