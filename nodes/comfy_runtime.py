@@ -508,7 +508,8 @@ def video_file(video):
     """A core VIDEO as a file on disk: a file-backed one as it is (its packets are then copied bitwise), any other
     (from IMAGE frames, or in memory) saved once into the temp folder as Save Video would."""
     source = getattr(video, "get_stream_source", lambda: None)()
-    if isinstance(source, str):
+    trim = getattr(video, "get_active_trim_window", lambda: (0.0, 0.0))()
+    if isinstance(source, str) and not any(trim):  # a trimmed one is saved: its file holds more than the VIDEO
         return source
     path = temp_video_path("h3_extend_source")
     video.save_to(str(path))

@@ -103,6 +103,8 @@ def describe_windows(windows, frames: int, clip) -> str:
                 f"frames ({frames / FPS:.2f} s) in {len(windows)} window{'s' * (len(windows) > 1)} of {lengths_text}"
                 f"; each is guided by the {OVERLAP_FRAMES} frames before it and their soundtrack; the clip's frames "
                 "are copied unchanged")
+    if len(windows) == 1:
+        return f"making {frames} frames ({frames / FPS:.2f} s) in one window"
     return (f"making {frames} frames ({frames / FPS:.2f} s, on the 17n+5 grid) in {len(windows)} windows of "
             f"{lengths_text}: H3 makes at most {MAX_SECONDS:g} s at a time, so each window after the first is guided "
             f"by the previous window's last {OVERLAP_FRAMES} frames and their soundtrack, cross-faded with them")
@@ -126,6 +128,13 @@ def generate_long(args, say, outputs: dict | None, cli):
     request, frames, clip, schedule = check_long_arguments(args, say, cli)
     windows = plan_windows(frames, guided_first=clip is not None)
     say(describe_windows(windows, frames, clip))
+    if schedule is not None:
+        starts = [max(0, w.start + w.overlap) / FPS for w in windows]
+        used = {max(i for i, (at, _) in enumerate(schedule.entries) if at <= start + 1e-9) for start in starts}
+        for i, (at, _) in enumerate(schedule.entries):
+            if i not in used:
+                say(f"note: --prompt-schedule: the prompt at {at:g} s starts no window (the windows' new frames start "
+                    f"at {', '.join(f'{t:.2f}' for t in starts)} s), so it is not used")
     out = Path(args.out).expanduser()
     before = cli._identity(out)
     if outputs is not None:

@@ -92,6 +92,11 @@ class ClipToExtend:
                     raise H3Error(f"{source}: the clip's video is {codec}; its frames are copied into the result as "
                                   "they are, which needs H.264 (what h3-stream writes). Convert it first (ffmpeg -i "
                                   "IN -c:v libx264 OUT.mp4).")
+                pixels = video.codec_context.pix_fmt
+                if pixels not in ("yuv420p", "yuvj420p"):
+                    raise H3Error(f"{source}: the clip's pixels are {pixels}; the new frames are 8-bit 4:2:0 in the "
+                                  "same H.264 track, so convert it first (ffmpeg -i IN -pix_fmt yuv420p -c:v libx264 "
+                                  "OUT.mp4).")
                 width, height = video.codec_context.width, video.codec_context.height
                 for side, value in (("width", width), ("height", height)):
                     if value % CANVAS_MULTIPLE:
