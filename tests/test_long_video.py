@@ -428,3 +428,36 @@ def test_cli_long_video_says_how_many_windows(run_cli, tinier, tmp_path):
     assert "in 2 windows" in printed and "guided by the previous window's last 22 frames" in printed
     assert "preflight: 2 windows" in printed
     assert len(read_video_frames(tmp_path / "o.mp4")) == long_frame_count(16)
+
+
+def test_ctrl_c_in_the_middle_of_a_long_video_writes_nothing(tinier, tmp_path):
+    """A real `python -m h3_core` child, Ctrl-C once the mp4 is being written (a window or more in): exit 130, the
+    CLI says nothing was written, the file already at --out is unchanged and no staging file is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cli_fixtures import default_sigint
+
+    out = tmp_path / "o.mp4"
+    out.write_bytes(b"an older video")
+    root = Path(__file__).resolve().parents[1]
+    child = subprocess.Popen([sys.executable, "-m", "h3_core", "generate", "a", "--model", str(tinier), "--size",
+                              "64x32", "--steps", "2", "--seconds", "300", "--out", str(out)], cwd=tmp_path,
+                             env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        deadline = time.time() + 120
+        while not any(p.name.endswith(".partial") and p.stat().st_size > 0 for p in tmp_path.iterdir()):
+            assert child.poll() is None and time.time() < deadline, child.communicate()
+            time.sleep(0.1)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130, err
+    assert err.strip().splitlines()[-1] == f"interrupted; nothing was written; {out} is unchanged"
+    assert out.read_bytes() == b"an older video"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.mp4"]
