@@ -57,6 +57,11 @@ def check_long_arguments(args, say, cli):
         raise cli.CliError(f"{'--extend' if args.extend is not None else '--seconds / --prompt-schedule'}: a long video "
                          "or an extension is made window by window on this machine; a --server job makes one clip of "
                          "4 to 15 s. Drop --server, or ask for at most 15 s.")
+    from ..request.media_files import have_pyav
+
+    if not have_pyav():
+        raise cli.CliError("a long video, a prompt schedule or --extend is written as one mp4 through PyAV, window by "
+                           "window: pip install 'h3-stream[video]' (or pip install av).")
     defaults = cli.TINY_DEFAULTS if args.model is None else cli.MODEL_DEFAULTS
     frames = long_run_frames(args, defaults, say, cli)
     clip = None

@@ -131,13 +131,13 @@ def generate_long_video(pipeline, request: GenerationRequest, out, *, total_fram
                               f"{window.num_frames}.")
             started = time.perf_counter()
             if carry_frames is not None:
+                # In place (the window's tensors are this call's own): no second copy of a window.
                 if not frames_already_written:
-                    frames = torch.cat([crossfade(carry_frames, frames[:overlap], dim=0), frames[overlap:]])
+                    frames[:overlap] = crossfade(carry_frames, frames[:overlap], dim=0)
                 else:
                     frames = frames[overlap:]  # the clip's own frames stay
                 length = min(carry_audio.shape[1], audio.shape[1])
-                audio = torch.cat([crossfade(carry_audio[:, :length], audio[:, :length], dim=1),
-                                   audio[:, length:]], dim=1)
+                audio[:, :length] = crossfade(carry_audio[:, :length], audio[:, :length], dim=1)
                 frames_already_written = False
             last = window.index == len(windows) - 1
             if last:
