@@ -5,7 +5,7 @@ The transformer and the text encoder are the embedded tiny model's (the claim is
 VAE is either the released widths with synthetic weights (`released`: benchmarks/synthetic_h3.py writes it) or the
 tiny model's (`tiny`). The default is the released audio VAE (0.6 GB fp32; its decoder runs at up to 32 kHz, the
 per-length activations that matter) with the tiny video VAE: the released video VAE is 5.2 GB in fp16 and ran at
-10.4 GB resident and about 1.5 s per 64x64 frame on the 2-core, 24 GB machine this was written on, so a 60 s clip
+10.4 GiB resident and about 1.5 s per 64x64 frame on the 2-core, 24 GB machine this was written on, so a 60 s clip
 would take over half an hour for its video alone and its weights would dwarf the frames the claim is about
 (`--video-vae released` runs it where there is the room). Each child samples its RssAnon
 (anonymous resident memory: tensors, the heap; not the memory-mapped weight files) every 20 ms from /proc/self/status
