@@ -12,6 +12,7 @@ from .latent_to_core import H3StreamLatentToCore
 from .generate_remote import H3StreamGenerateRemote
 from .guides import H3StreamGuide
 from .loader import H3StreamLoader
+from .long_video import H3StreamExtend, H3StreamLongVideo
 from .lora import H3StreamLoRA
 from .memory_report import H3StreamMemoryReport
 from .model_loader import H3StreamModelLoader
@@ -40,6 +41,8 @@ NODES: tuple[type[io.ComfyNode], ...] = (
     H3StreamAVSampler,
     H3StreamReferenceMedia,
     H3StreamGuide,
+    H3StreamLongVideo,
+    H3StreamExtend,
 )
 
 

@@ -485,3 +485,39 @@ def send_progress_text(node_id, text: str) -> None:
     client = _client_of_the_prompt(instance)
     if client is not None and node_id is not None:
         instance.send_progress_text(text, node_id, client)
+
+
+# ---- video files ----------------------------------------------------------------------------------------------------
+
+
+def temp_video_path(prefix: str):
+    """A new .mp4 path in ComfyUI's temp folder (emptied when ComfyUI starts): long videos are written there and
+    handed on as a file-backed VIDEO."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    import folder_paths
+
+    folder = Path(folder_paths.get_temp_directory())
+    os.makedirs(folder, exist_ok=True)
+    return folder / f"{prefix}_{uuid.uuid4().hex[:12]}.mp4"
+
+
+def video_file(video):
+    """A core VIDEO as a file on disk: a file-backed one as it is (its packets are then copied bitwise), any other
+    (from IMAGE frames, or in memory) saved once into the temp folder as Save Video would."""
+    source = getattr(video, "get_stream_source", lambda: None)()
+    trim = getattr(video, "get_active_trim_window", lambda: (0.0, 0.0))()
+    if isinstance(source, str) and not any(trim):  # a trimmed one is saved: its file holds more than the VIDEO
+        return source
+    path = temp_video_path("h3_extend_source")
+    video.save_to(str(path))
+    return str(path)
+
+
+def video_from_file(path):
+    """Core's VIDEO backed by the file at `path` (Save Video copies its packets; nothing is decoded into memory)."""
+    from comfy_api.latest import InputImpl
+
+    return InputImpl.VideoFromFile(str(path))

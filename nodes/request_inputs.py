@@ -45,7 +45,8 @@ def duration_inputs() -> list:
     return [
         io.Float.Input("seconds", default=5.0, min=MIN_SECONDS, max=MAX_SECONDS, step=0.1,
                        tooltip="Duration; the frame count is round(seconds x 24) snapped up to the 17n + 5 "
-                               "grid (5 s -> 124 frames)."),
+                               "grid (5 s -> 124 frames). At most 15 s in one request: longer videos, and a clip "
+                               "continued, are made in windows by H3 Long Video and H3 Extend."),
         io.Int.Input("frames", default=0, min=0, max=MAX_FRAMES, step=1,
                      tooltip="Frame count at 24 fps on the 17n + 5 grid (5, 22, 39, ...); 0 uses seconds."),
     ]

@@ -17,7 +17,7 @@ const NODE_IDS = new Set([
   "H3StreamLoader", "H3StreamModelLoader", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamTextEncode",
   "H3StreamSampler", "H3StreamDecodeVideo", "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload",
   "H3StreamLoRA", "H3StreamReferenceMedia", "H3StreamReferences", "H3StreamGenerateRemote",
-  "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamGuide",
+  "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamGuide", "H3StreamLongVideo", "H3StreamExtend",
 ]);
 // The frontend's progress-text widget (shown by every renderer; `send_progress_text` on the server fills it).
 export const TEXT_WIDGET = "$$node-text-preview";
@@ -25,7 +25,8 @@ export const TEXT_WIDGET = "$$node-text-preview";
 const MPS_ONLY_SUFFIX = "mps_reclaim_every";
 // Narrowest width of a freshly added node, so that labels and values fit (H3 Loader's source values are long).
 const MIN_WIDTH = { H3StreamModelLoader: 400, H3StreamEncodePrompt: 400, H3StreamAVSampler: 320,
-                    H3StreamReferenceMedia: 320, H3StreamLoRA: 360, H3StreamGenerateRemote: 380 };
+                    H3StreamReferenceMedia: 320, H3StreamLoRA: 360, H3StreamGenerateRemote: 380,
+                    H3StreamLongVideo: 360, H3StreamExtend: 360 };
 const DEFAULT_MIN_WIDTH = 300;
 // H3 References' growing sockets: prefix, how many the model takes, socket type (the order is the request's).
 export const GROWING = [["ref_image_", 9, "IMAGE"], ["ref_video_", 3, "VIDEO"], ["ref_audio_", 3, "AUDIO"]];

@@ -148,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--format", required=True, choices=["q8_0", "fp8", "int8"], help="the quantisation")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
-    g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps")
+    g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps. Beyond 15 s "
+                        "the video is made in windows of at most 15 s, each guided by the end of the one before (up "
+                        "to 600 s); with --extend, the seconds added")
     g.add_argument("--frames", type=int, help="frame count instead of --seconds; rounded up to 17n+5")
     g.add_argument("--size", help="WIDTHxHEIGHT, multiples of 32 (default 1344x768; 96x64 for the tiny model)")
     g.add_argument("--steps", type=int, help="sigma grid points including the final 0 (default 50; tiny: 3)")
@@ -229,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--server-lora", metavar="PATH[:STRENGTH]",
                    help="with --server: a LoRA file already on the server (its path there), applied to this request "
                         "(vLLM-Omni; an SGLang server's LoRA is set when it starts: sglang serve --lora-path)")
+    # Long videos and extensions (h3_core/app/long_video_cli.py).
+    g.add_argument("--prompt-schedule", metavar="\"0: PROMPT; 15: PROMPT\"",
+                   help="a prompt per window of a long video: SECONDS: PROMPT entries separated by ';' (the first at "
+                        "0); each window takes the prompt in force at its first new frame, in place of PROMPT")
+    g.add_argument("--extend", type=Path, metavar="CLIP.mp4",
+                   help="continue this 24 fps H.264 clip by --seconds: its last 22 frames and their soundtrack guide "
+                        "the new part; the result (--out) is the clip, its frames copied unchanged, followed by the "
+                        "new part, at the clip's canvas")
     g.add_argument("--yes-large", action="store_true",
                    help="run a request past the large-request thresholds (canvas over 1920x1088 pixels, more than "
                         "200 steps, or an estimated peak over this machine's memory), which is otherwise refused "
@@ -479,6 +489,10 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         raise CliError(f"{flag}: is for a server; give --server URL too, or drop it (a LoRA file on this machine "
                        "goes with --lora)." if args.server_lora else f"{flag}: names a server's engine; give --server "
                        "URL too, or drop it.")
+    from .long_video_cli import generate_long, is_long_run
+
+    if is_long_run(args):
+        return generate_long(args, say, outputs, sys.modules[__name__])
     request = check_arguments(args, say)
     out = Path(args.out).expanduser()
     before = _identity(out)

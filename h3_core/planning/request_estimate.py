@@ -100,3 +100,26 @@ def format_duration(seconds: float) -> str:
     if seconds < 2 * 86400:
         return f"{seconds / 3600:.1f} h"
     return f"{seconds / 86400:,.0f} days"
+
+
+def describe_windowed_estimate(sources, windows, *, device, width: int, height: int, steps: int, **options) -> str:
+    """The preflight of a long video or an extension: every window is an ordinary request (planned and estimated
+    on its own, memory included: the peak is the largest window's, whatever the number of windows), and the time is
+    the sum over the windows, plus their decodes and the mp4 encode as they stream (left out of the figure: the
+    estimate counts the transformer's work)."""
+    by_length: dict[int, RequestEstimate] = {}
+    for window in windows:
+        if window.num_frames not in by_length:
+            by_length[window.num_frames] = estimate_request(sources, device=device, width=width, height=height,
+                                                            num_frames=window.num_frames, steps=steps,
+                                                            keyframes=bool(window.overlap), **options)
+    estimates = [by_length[window.num_frames] for window in windows]
+    peak = max(estimates, key=lambda e: e.peak_bytes)
+    flops = sum(e.transformer_flops for e in estimates)
+    per_window = estimates[0].seconds_at_assumed_flops
+    where = "" if peak.shared_memory else " of device memory"
+    return (f"preflight: {len(windows)} window{'s' * (len(windows) > 1)}, each planned as its own request: peak "
+            f"memory {format_bytes(peak.peak_bytes)}{where} ({peak.peak_phase} phase) whatever the length; "
+            f"{format_flops(flops)} of transformer work in all, about {format_duration(flops / ASSUMED_FLOPS)} at a "
+            f"sustained {ASSUMED_FLOPS / 1e12:.0f} TFLOP/s ({len(windows)} x about {format_duration(per_window)}; a "
+            "CPU is 100 to 1000 times slower), plus each window's VAE decode and the mp4 encode as it streams")

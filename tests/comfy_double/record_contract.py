@@ -21,7 +21,7 @@ PACK_NODES = ["H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3Stre
               "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA",
               "H3StreamLatentToCore", "H3StreamLatentFromCore", "H3StreamModelLoader", "H3StreamGenerateRemote",
               "H3StreamReferences", "H3StreamEncodePrompt", "H3StreamAVSampler", "H3StreamReferenceMedia",
-              "H3StreamGuide"]
+              "H3StreamGuide", "H3StreamLongVideo", "H3StreamExtend"]
 CORE_NODES = ["EmptyImage", "CreateVideo", "SaveVideo", "SaveAudio", "SaveAudioAdvanced", "EmptyMiniMaxH3LatentAV",
               "LTXVSeparateAVLatent", "LTXVConcatAVLatent"]
 # (module, dotted attribute) of every callable whose signature the double must share.
@@ -90,6 +90,8 @@ CALLABLES = [
     ("folder_paths", "get_full_path_or_raise"),
     ("folder_paths", "get_output_directory"),
     ("folder_paths", "get_user_directory"),
+    ("folder_paths", "get_temp_directory"),
+    ("comfy_api.latest", "InputImpl.VideoFromFile.__init__"),
     ("server", "PromptServer.send_sync"),
     ("server", "PromptServer.send_progress_text"),
 ]

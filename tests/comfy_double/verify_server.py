@@ -1,13 +1,16 @@
 """Run every API-format example workflow on a real ComfyUI server and check the saved files (not run by the tests).
 
-    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview | --only-remote-refused | --only-guides]
+    <ComfyUI venv>/bin/python verify_server.py http://127.0.0.1:8188 <ComfyUI>/output [SERVER_PID] [--only-unload | --only-preview | --only-remote-refused | --only-guides | --only-long-video]
 
 `SERVER_PID`: the server's process id, for its resident memory (found from /proc by its port when not given);
 `--only-unload` runs only the model-management check below (for iterating on it); `--only-remote-refused` (or its
 alias `--only-audio-health`) only the two checks of issue 29: the remote example pointed at a closed port must end in
 the node's "refused" error within 2 s of queueing, and the tiny example must run with no audio health message on
 Decode Audio; `--only-guides` only the H3 Guide checks below; `--only-preview` only the live preview checks
-(latent2rgb, none, and taesd: TAEH3 when the server has models/vae_approx/taeh3*.safetensors).
+(latent2rgb, none, and taesd: TAEH3 when the server has models/vae_approx/taeh3*.safetensors); `--only-long-video`
+only the long-video check: H3 Long Video makes 20 s on the tiny model (2 windows) into Save Video, and H3 Extend
+continues that file (through core's Load Video) by 1 s: 481 frames, then 481 + 17 whose first 481 decode bitwise as
+the first file's, 24 fps, 32 kHz stereo.
 
 Checks: `/object_info` lists the pack's node ids; each prompt in example_workflows/api/ (and the core-latent round trip
 of `core_latent_prompt`) is accepted by `POST /prompt`, finishes with status success, and its SaveVideo / SaveAudio
@@ -51,7 +54,7 @@ PACK = Path(__file__).resolve().parents[2]
 NODE_IDS = ["H3StreamModelLoader", "H3StreamLoader", "H3StreamTextEncode", "H3StreamSampler", "H3StreamDecodeVideo",
             "H3StreamDecodeAudio", "H3StreamMemoryReport", "H3StreamUnload", "H3StreamLoRA", "H3StreamLatentToCore",
             "H3StreamLatentFromCore", "H3StreamGenerateRemote", "H3StreamReferences", "H3StreamEncodePrompt",
-            "H3StreamAVSampler", "H3StreamReferenceMedia", "H3StreamGuide"]
+            "H3StreamAVSampler", "H3StreamReferenceMedia", "H3StreamGuide", "H3StreamLongVideo", "H3StreamExtend"]
 
 
 # The custom memory profile's widgets, and a legacy loader's (workflows saved before H3 Loader).
@@ -615,6 +618,65 @@ def cancelled_cached_run(server: str, example: dict) -> bool:
     return ok
 
 
+def long_video_runs(server: str, output_dir: Path) -> bool:
+    """H3 Long Video (20 s, 2 windows) into Save Video; then Load Video of that file into H3 Extend (1 s) into Save
+    Video: frame counts, 24 fps, 32 kHz stereo, and the extension's first frames bitwise the long video's."""
+    import shutil
+
+    import av
+    import numpy as np
+
+    def read(path):
+        with av.open(str(path)) as container:
+            video, audio = container.streams.video[0], container.streams.audio[0]
+            facts = (float(video.average_rate), audio.rate, audio.channels)
+            return np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)]), facts
+
+    def run(prompt) -> Path | None:
+        queued = call(f"{server}/prompt", {"prompt": prompt, "client_id": str(uuid.uuid4())})
+        history = wait_for(server, queued["prompt_id"])
+        files = saved_files(history["outputs"])
+        if history["status"]["status_str"] != "success" or len(files) != 1:
+            print(json.dumps(history["status"].get("messages", [])[-1:], indent=1)[:3000])
+            return None
+        return output_dir / files[0].get("subfolder", "") / files[0]["filename"]
+
+    loader = {"class_type": "H3StreamModelLoader", "inputs": {
+        "source": "tiny test model (embedded)", "source.partition": "FL2VA", "memory_profile": "auto (from free memory)",
+        "dtype": "auto", "device": "auto"}}
+    sampler = {"steps": 2, "seed": int(time.time()), "video_shift": 12, "audio_shift": 3, "step_cache": "off"}
+    save = {"class_type": "SaveVideo", "inputs": {"filename_prefix": "h3_stream/long", "format": "auto",
+                                                   "codec": "auto", "video": ["2", 0]}}
+    started = time.time()
+    long_path = run({"1": loader, "2": {"class_type": "H3StreamLongVideo", "inputs": {
+        "h3_model": ["1", 0], "prompt": "a beach", "width": 64, "height": 32, "seconds": 20.0, **sampler,
+        "prompt_schedule": "0: dawn\n10: noon"}}, "3": save})
+    ok = long_path is not None
+    if ok:
+        frames, facts = read(long_path)
+        ok = len(frames) == 481 and facts == (24.0, 32000, 2)
+        print(f"H3 Long Video 20 s: {len(frames)} frames, {facts} in {time.time() - started:.0f} s"
+              f"{'' if ok else '  <-- FAILED'}")
+        inputs = output_dir.parent / "input"
+        shutil.copy(long_path, inputs / "h3_long_video_check.mp4")
+        started = time.time()
+        extended = run({"1": loader, "4": {"class_type": "LoadVideo", "inputs": {"file": "h3_long_video_check.mp4"}},
+                        "2": {"class_type": "H3StreamExtend", "inputs": {
+                            "h3_model": ["1", 0], "video": ["4", 0], "prompt": "more", "seconds": 0.5, **sampler}},
+                        "3": save})
+        if extended is None:
+            ok = False
+        else:
+            more, facts = read(extended)
+            kept = len(more) == 481 + 17 and np.array_equal(more[:481], frames) and facts == (24.0, 32000, 2)
+            ok = ok and kept
+            print(f"H3 Extend +1 s: {len(more)} frames, the first 481 bitwise the file's: {kept}, {facts} in "
+                  f"{time.time() - started:.0f} s{'' if kept else '  <-- FAILED'}")
+    else:
+        print("H3 Long Video 20 s: failed  <-- FAILED")
+    return ok
+
+
 def server_pid(server: str) -> int:
     """The ComfyUI process serving `server`: a `main.py` whose command line has its port (or the default 8188)."""
     port = server.rsplit(":", 1)[-1].split("/")[0]
@@ -738,7 +800,10 @@ def main() -> int:
     if "--only-guides" in sys.argv:
         return 1 if failures + guides_checked(server, output_dir) else 0
     tiny = json.loads((PACK / "example_workflows" / "api" / "H3 - Text to Video and Audio.json").read_text())
+    if "--only-long-video" in sys.argv:
+        return 1 if failures + (not long_video_runs(server, output_dir)) else 0
     if "--only-unload" not in sys.argv and "--only-preview" not in sys.argv:
+        failures += not long_video_runs(server, output_dir)
         failures += not remote_refused(server)
         failures += not audio_is_healthy(server, tiny)
     if "--only-remote-refused" in sys.argv or "--only-audio-health" in sys.argv:

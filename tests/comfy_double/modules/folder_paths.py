@@ -29,6 +29,10 @@ def configure(base: str) -> None:
     os.makedirs(_user_directory, exist_ok=True)
 
 
+def get_temp_directory() -> str:
+    return os.path.join(base_path, "temp")
+
+
 def add_model_folder_path(folder_name: str, full_folder_path: str, is_default: bool = False) -> None:
     if folder_name not in folder_names_and_paths:
         folder_names_and_paths[folder_name] = ([full_folder_path], set())

@@ -23,4 +23,38 @@ class ComfyExtension(ABC):
         """The extension's node classes."""
 
 
-__all__ = ["ComfyExtension", "io", "IO", "ui", "UI"]
+class VideoFromFile:
+    """Core's file-backed VIDEO (`comfy_api.latest._input_impl.video_types.VideoFromFile`): a path (or a BytesIO),
+    read through PyAV when asked."""
+
+    def __init__(self, file, *, start_time: float = 0, duration: float = 0):
+        self._file = file
+        self._start_time = start_time
+        self._duration = duration
+
+    def get_stream_source(self):
+        return self._file
+
+    def get_dimensions(self) -> tuple[int, int]:
+        import av
+
+        with av.open(self._file) as container:
+            stream = container.streams.video[0]
+            return stream.width, stream.height
+
+    def save_to(self, path, format=None, codec=None, metadata=None, bit_depth=None, crf=None):
+        import shutil
+
+        if isinstance(self._file, str):
+            shutil.copyfile(self._file, path)
+        else:
+            self._file.seek(0)
+            with open(path, "wb") as handle:
+                handle.write(self._file.read())
+
+
+class InputImpl:
+    VideoFromFile = VideoFromFile
+
+
+__all__ = ["ComfyExtension", "io", "IO", "ui", "UI", "InputImpl"]
