@@ -252,8 +252,6 @@ def test_each_window_after_the_first_receives_the_previous_windows_last_frames_a
     assert torch.equal(guide.audio, made.waveform[:, cut:cut + guide.audio.shape[1]])
 
 
-@pytest.mark.xfail(reason="honoured once the guides branch (issue 30 item 1) lowers Guide into the layout; until "
-                          "the merge the pipeline ignores request.guides", strict=False)
 def test_the_pipeline_honours_the_overlap_guide(pipeline):
     from h3_core.request.guides import Guide
 
