@@ -471,12 +471,29 @@ def _identity(path: Path):
     return stat.st_ino, stat.st_mtime_ns, stat.st_size
 
 
+def model_sources(args, say):
+    """The model the flags name (--model, --partition, --transformer), or the embedded tiny one without --model."""
+    from ..sources.model_sources import resolve_model
+
+    if args.model is None:
+        from ..sources.tiny_default import ensure_tiny_model
+
+        say("using the embedded tiny random model: it produces noise and only checks the install; "
+            "pass --model for real weights")
+        sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
+    else:
+        sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
+    if args.transformer is not None:
+        sources = sources.replace(transformer=_existing(args.transformer, "--transformer"))
+        say(f"transformer: {sources.transformer} (--transformer)")
+    return sources
+
+
 def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
     """Run `python -m h3_core generate`. `outputs` (filled in here) holds the --out path and its identity before the
     run, so that an interrupt can say truthfully whether anything was written."""
     from ..pipeline.pipeline import H3Pipeline
     from ..request.media_files import write_outputs
-    from ..sources.model_sources import resolve_model
 
     if args.server:
         from .remote_cli import check_remote_flags
@@ -502,17 +519,7 @@ def generate(args, say=print, outputs: dict | None = None) -> list[Path]:
         from .remote_cli import generate_remote
 
         return generate_remote(args, request, out, before, say, ProgressBar("remote job"))
-    if args.model is None:
-        from ..sources.tiny_default import ensure_tiny_model
-
-        say("using the embedded tiny random model: it produces noise and only checks the install; "
-            "pass --model for real weights")
-        sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
-    else:
-        sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
-    if args.transformer is not None:
-        sources = sources.replace(transformer=_existing(args.transformer, "--transformer"))
-        say(f"transformer: {sources.transformer} (--transformer)")
+    sources = model_sources(args, say)
     from ..planning.phase_plans import plan_components
     from ..sources.model_sources import canvas_rules
 

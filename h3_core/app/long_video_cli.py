@@ -126,9 +126,9 @@ def generate_long(args, say, outputs: dict | None, cli):
     from ..planning.phase_plans import plan_components
     from ..planning.request_estimate import describe_windowed_estimate
     from ..settings import DTYPES
-    from ..sources.model_sources import canvas_rules, resolve_model
+    from ..sources.model_sources import canvas_rules
     from .audio_warnings import print_audio_warnings
-    from .progress import DownloadBar, ProgressBar, memory_report
+    from .progress import ProgressBar, memory_report
 
     request, frames, clip, schedule = check_long_arguments(args, say, cli)
     windows = plan_windows(frames, guided_first=clip is not None)
@@ -144,16 +144,7 @@ def generate_long(args, say, outputs: dict | None, cli):
     before = cli._identity(out)
     if outputs is not None:
         outputs.update(path=out, before=before)
-    if args.model is None:
-        from ..sources.tiny_default import ensure_tiny_model
-
-        say("using the embedded tiny random model: it produces noise and only checks the install; "
-            "pass --model for real weights")
-        sources = resolve_model(ensure_tiny_model(log=say), partition=args.partition)
-    else:
-        sources = resolve_model(args.model, partition=args.partition, progress=DownloadBar())
-    if args.transformer is not None:
-        sources = sources.replace(transformer=cli._existing(args.transformer, "--transformer"))
+    sources = cli.model_sources(args, say)
     residency = None if args.residency == "auto" else args.residency
     # Every window is an ordinary request: the memory plan and the large-request check are the longest window's.
     longest = request.replace(num_frames=max(w.num_frames for w in windows))

@@ -17,13 +17,19 @@ from pathlib import Path
 PACK = Path(__file__).resolve().parents[2]
 
 
-def load_comfyui(folder: str):
+def import_comfyui(folder: str) -> None:
+    """Make the ComfyUI checkout at `folder` importable, parsed as a `--cpu` run (also used by
+    verify_guides_core.py)."""
     sys.dont_write_bytecode = True  # leave the ComfyUI folder as it was
     sys.path.insert(0, folder)
     import comfy.options
 
     comfy.options.enable_args_parsing()
     sys.argv = [sys.argv[0], "--cpu"]  # parsed when comfy.model_management is first imported
+
+
+def load_comfyui(folder: str):
+    import_comfyui(folder)
     spec = importlib.util.spec_from_file_location("h3_stream_pack", PACK / "__init__.py")
     pack = importlib.util.module_from_spec(spec)
     sys.modules["h3_stream_pack"] = pack

@@ -31,12 +31,10 @@ PACK = Path(__file__).resolve().parents[2]
 
 
 def load_comfyui(folder: str):
-    sys.dont_write_bytecode = True  # leave the ComfyUI folder as it was
-    sys.path.insert(0, folder)
-    import comfy.options
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from verify_core_latent import import_comfyui
 
-    comfy.options.enable_args_parsing()
-    sys.argv = [sys.argv[0], "--cpu"]  # parsed when comfy.model_management is first imported
+    import_comfyui(folder)
     sys.path.insert(0, str(PACK))
 
 
