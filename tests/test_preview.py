@@ -29,6 +29,7 @@ from h3_core.pipeline.preview import (VIDEO_RGB_BIAS, VIDEO_RGB_FACTORS, Latent2
 from h3_core.pipeline.sampler import Schedule, denoised_estimate, euler_blend, euler_step, initial_noise
 from h3_core.sources import resolve_model
 from h3_core.checkpoints.taeh3_loader import load_taeh3
+from taeh3_reference import CASES, case_inputs, recorded, samples, seeded_decoder_state
 
 FIXTURE = json.loads((comfy_double.CONTRACT / "core_latent2rgb.json").read_text())
 CONTRACT_SIGNATURES = json.loads((comfy_double.CONTRACT / "signatures.json").read_text())
@@ -181,6 +182,24 @@ def write_taeh3(reference, path: Path, dtype=torch.float32) -> Path:
     return path
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_taeh3_decodes_as_recorded_from_the_taehv_package(name, tmp_path):
+    """CI's check (taehv is not on PyPI): the frames taehv.TAEHV decoded from the same seeded weights and latents,
+    recorded by tests/taeh3_reference.py; the live comparisons below run where taehv is installed."""
+    state, latent, stages = case_inputs(name)
+    save_file(state, str(tmp_path / "taeh3.safetensors"))
+    expected = recorded()["cases"][name]
+    with torch.no_grad():
+        clip = load_taeh3(tmp_path / "taeh3.safetensors", space_upscale=stages).decode_video(latent)
+        first = load_taeh3(tmp_path / "taeh3.safetensors").first_frame(latent, stages)
+    for part, got in (("clip", clip), ("first", first)):
+        assert list(got.shape) == expected[part]["shape"], part
+        assert torch.allclose(torch.tensor(samples(got)), torch.tensor(expected[part]["samples"]), rtol=0,
+                              atol=1e-6), part
+        assert abs(float(got.double().mean()) - expected[part]["mean"]) < 1e-7, part
+    assert 0.05 < expected["clip"]["std"] and 0 < expected["clip"]["mean"] < 1  # not a flat or clamped picture
+
+
 def test_taeh3_decodes_as_the_taehv_package_does(tmp_path):
     reference = taehv_reference()
     ours = load_taeh3(write_taeh3(reference, tmp_path / "taeh3.safetensors"))
@@ -218,7 +237,8 @@ def test_taeh3_with_fewer_spatial_stages_is_taehvs_cheaper_preview(tmp_path):
 
 
 def test_the_taeh3_previewer_decodes_about_the_shown_size(tmp_path):
-    path = write_taeh3(taehv_reference(), tmp_path / "taeh3.safetensors")
+    path = tmp_path / "taeh3.safetensors"
+    save_file(seeded_decoder_state(0), str(path))
     previewer = taeh3_previewer(path, max_size=512)
     assert previewer.stages(48, 84) == (True, True, False)  # 1344x768: 84 * 2 * 4 = 672 >= 512
     assert previewer.stages(4, 6) == (True, True, True)  # small canvases: every stage, 96 px
@@ -237,14 +257,13 @@ def test_taeh3_files_that_cannot_be_used_are_refused_with_the_fix(tmp_path):
     pickle.write_bytes(b"not opened")
     with pytest.raises(PickleCheckpointError, match=r"taeh3\.pth.*safetensors only.*safetensors/.*convert"):
         load_taeh3(pickle)
-    reference = taehv_reference()
-    state = {k: v for k, v in reference.state_dict().items() if k != "decoder.14.weight"}
-    save_file(state, str(tmp_path / "partial.safetensors"))
+    state = seeded_decoder_state(0)
+    save_file({k: v for k, v in state.items() if k != "decoder.14.weight"}, str(tmp_path / "partial.safetensors"))
     with pytest.raises(CheckpointError, match=r"'decoder\.14\.weight' is missing"):
         load_taeh3(tmp_path / "partial.safetensors")
-    taehv = pytest.importorskip("taehv")
-    other = taehv.TAEHV(checkpoint_path=None)  # Hunyuan Video's: 16 channels, no pixel shuffle
-    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(tmp_path / "taehv.safetensors"))
+    # another model's decoder (Hunyuan Video's TAEHV: 16-channel latents): its first convolution reads 16 channels
+    other = dict(state, **{"decoder.1.weight": torch.randn(state["decoder.1.weight"].shape[0], 16, 3, 3)})
+    save_file(other, str(tmp_path / "taehv.safetensors"))
     with pytest.raises(CheckpointError, match=r"16-channel latents; H3's have 24"):
         load_taeh3(tmp_path / "taehv.safetensors")
 
@@ -321,7 +340,7 @@ def test_taesd_previews_decode_with_the_taeh3_file_in_vae_approx(pack, tmp_path)
     import folder_paths
 
     folder = Path(folder_paths.get_folder_paths("vae_approx")[0])
-    write_taeh3(taehv_reference(), folder / "taeh3.safetensors", torch.float16)
+    save_file(seeded_decoder_state(0, torch.float16), str(folder / "taeh3.safetensors"))
     _, previews, _ = sample_with(pack, "taesd")
     assert len(previews) == 3
     sizes = {image.size for _, _, (_, image, _) in previews}
@@ -382,7 +401,8 @@ def test_cli_preview_writes_the_last_steps_picture(run_cli, tmp_path):
 def test_cli_preview_taeh3_and_refusals(run_cli, tmp_path):
     from PIL import Image
 
-    path = write_taeh3(taehv_reference(), tmp_path / "taeh3.safetensors")
+    path = tmp_path / "taeh3.safetensors"
+    save_file(seeded_decoder_state(0), str(path))
     result = run_cli(["generate", "a fox", "--out", tmp_path / "out.mp4", "--preview", tmp_path / "step.png",
                       "--preview-taeh3", path], tmp_path)
     assert result.returncode == 0, result.stderr
