@@ -22,7 +22,7 @@ import torch
 
 from ..errors import H3Error
 from ..staged_files import remove, remove_dead_staging, staging_path, write_failure
-from .grid import AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, FPS
+from .grid import AUDIO_SAMPLE_RATE, FPS, canvas_problem
 
 
 def _av():
@@ -99,10 +99,10 @@ class ClipToExtend:
                                   "OUT.mp4).")
                 width, height = video.codec_context.width, video.codec_context.height
                 for side, value in (("width", width), ("height", height)):
-                    if value % CANVAS_MULTIPLE:
+                    problem = canvas_problem(value)
+                    if problem:
                         raise H3Error(f"{source}: the clip is {width}x{height}; the new frames continue it at its "
-                                      f"own canvas, whose {side} must be a multiple of {CANVAS_MULTIPLE} pixels. "
-                                      "Scale or crop it first.")
+                                      f"own canvas, and its {side} {value} {problem}. Scale or crop it first.")
                 tail: collections.deque = collections.deque(maxlen=overlap)
                 count = 0
                 for frame in container.decode(video=0):

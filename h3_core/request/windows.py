@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import H3Error
+from .generation_request import SEED_MAX
 from .grid import (AUDIO_SAMPLE_RATE, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, MAX_FRAMES, align_num_frames,
                    is_aligned_num_frames)
 
@@ -30,7 +31,6 @@ MAX_LONG_SECONDS = 600.0
 # deterministic, different for every window, and window 0 keeps the seed itself (a clip of 15 s or less is the
 # one-window case, with the noise it always had).
 _SEED_STEP = 0x9E3779B97F4A7C15
-_SEED_MOD = 2**64
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ def plan_windows(total_frames: int, *, guided_first: bool = False, overlap: int 
     if not is_aligned_num_frames(overlap):
         raise H3Error(f"overlap {overlap} is off the 17n + 5 frame grid a guide clip needs (5, 22, 39, ...).")
     if guided_first:
-        if total_frames < FRAMES_PER_CHUNK or total_frames % FRAMES_PER_CHUNK:
+        # the new frames and the 5 that end the clip are on the grid: a multiple of 17 new frames
+        if total_frames < FRAMES_PER_CHUNK or not is_aligned_num_frames(total_frames + LATENTS_PER_CHUNK):
             raise H3Error(f"{total_frames} new frames: an extension adds a multiple of {FRAMES_PER_CHUNK} frames.")
         units = total_frames // FRAMES_PER_CHUNK
     else:
@@ -98,7 +99,7 @@ def _capacity(count: int, max_units: int, guide_units: int, guided_first: bool) 
 
 def window_seed(seed: int, index: int) -> int:
     """Window `index`'s seed: the seed itself for the first, a fixed odd stride apart for the others."""
-    return (int(seed) + index * _SEED_STEP) % _SEED_MOD
+    return (int(seed) + index * _SEED_STEP) % (SEED_MAX + 1)
 
 
 def audio_sample(frame: int, fps: int = FPS, sample_rate: int = AUDIO_SAMPLE_RATE) -> int:
