@@ -119,7 +119,7 @@ def _request(prompt, width, height, steps, seed, video_shift, audio_shift, step_
 def run_windows(node_id, h3_model, request, frames: int, prompt_schedule: str, clip) -> io.NodeOutput:
     """Both nodes: the note on the node (how many windows), the plan of the longest window, the windows with one
     progress bar across them, the file-backed VIDEO."""
-    from h3_core.pipeline.long_video import generate_long_video
+    from h3_core.pipeline.long_video import generate_long_video, planned_guides
     from h3_core.request.grid import FPS
     from h3_core.request.windows import parse_prompt_schedule, plan_windows
 
@@ -138,10 +138,12 @@ def run_windows(node_id, h3_model, request, frames: int, prompt_schedule: str, c
         note = (f"{frames} frames ({frames / FPS:.2f} s) in {count} window{'s' * (count > 1)} of at most 15 s" +
                 (", each after the first guided by the previous one's last 22 frames and their soundtrack, "
                  "cross-faded" if count > 1 else ""))
-    longest = request.replace(num_frames=max(w.num_frames for w in windows))
-    note += "\n" + windowed_preflight(h3_model, windows, request)
+    guides = planned_guides(request, windows)  # the overlap guide a guided window carries
+    note += "\n" + windowed_preflight(h3_model, windows, request, guides)
     comfy_runtime.send_progress_text(node_id, note)
-    plan = pipeline.plan_request(longest)
+    plan = pipeline.plan(width=request.width, height=request.height, num_frames=max(w.num_frames for w in windows),
+                         steps=request.steps, loras=request.loras, step_cache=request.step_cache is not None,
+                         keyframes=bool(request.anchors), guides=guides)
     bar = comfy_runtime.progress_bar(count * calls, node_id=node_id)
     current = {"window": 0}
 
@@ -167,7 +169,7 @@ def run_windows(node_id, h3_model, request, frames: int, prompt_schedule: str, c
     return io.NodeOutput(comfy_runtime.video_from_file(result.path))
 
 
-def windowed_preflight(h3_model, windows, request) -> str:
+def windowed_preflight(h3_model, windows, request, guides=()) -> str:
     """The preflight of the windows (h3_core's: each window planned as its own request, the time summed)."""
     from h3_core.planning.request_estimate import describe_windowed_estimate
 
@@ -175,4 +177,5 @@ def windowed_preflight(h3_model, windows, request) -> str:
     return describe_windowed_estimate(h3_model.pipeline.sources, windows, device=h3_model.pipeline.device,
                                       width=request.width, height=request.height, steps=request.steps,
                                       dtype=settings.torch_dtype, loras=h3_model.loras,
-                                      step_cache=request.step_cache is not None)
+                                      keyframes=bool(request.anchors), step_cache=request.step_cache is not None,
+                                      guides=guides)

@@ -341,6 +341,27 @@ def test_the_preflight_plans_each_window_and_sums_their_time(tinier):
     assert max(e.peak_bytes for e in each) <= longest.peak_bytes  # no window is planned past a 15 s request
 
 
+def test_a_guided_window_is_planned_with_its_overlap_guide(tinier):
+    """The plan and the preflight of a long video count the overlap guide a guided window carries: its rows in the
+    transformer, its clip encode and its soundtrack's encode."""
+    from h3_core.pipeline.long_video import planned_guides
+    from h3_core.planning.phase_plans import plan_for_budget
+    from h3_core.planning.request_estimate import estimate_request
+    from h3_core.sources.model_sources import resolve_model
+
+    sources = resolve_model(tinier)
+    request = GenerationRequest("a", width=64, height=32, steps=2)
+    assert planned_guides(request, plan_windows(MAX_FRAMES)) == ()  # one window: nothing guides it
+    guides = planned_guides(request, plan_windows(long_frame_count(45)))
+    assert [(g.frame, g.num_frames, g.audio is not None) for g in guides] == [(0, OVERLAP_FRAMES, True)]
+    plain, guided = (estimate_request(sources, device="cpu", width=64, height=32, num_frames=MAX_FRAMES, steps=2,
+                                      guides=g) for g in ((), guides))
+    assert guided.transformer_flops > plain.transformer_flops
+    plan = plan_for_budget(sources, budget_bytes=1 << 62, width=64, height=32, num_frames=MAX_FRAMES, steps=2,
+                           guides=guides)
+    assert {"keyframe encode", "reference audio encode"} <= {phase.name for phase in plan.phases}
+
+
 # ---- the CLI --------------------------------------------------------------------------------------------------------
 
 

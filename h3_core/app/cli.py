@@ -19,11 +19,11 @@ from ..request.generation_request import AUDIO_SHIFT, VIDEO_SHIFT, GenerationReq
 from ..request.grid import FPS
 from ..request.keyframes import check_image_file
 from ..request.media_files import output_problem
-from .guide_flags import GUIDE_HELP, read_guide_files
 from ..runtime.platform import device_problem
 from ..settings import DTYPES, RESIDENCIES
 from ..step_cache_settings import STEP_CACHE_OFF, STEP_CACHE_PRESETS, step_cache_settings
 from .audio_warnings import print_audio_warnings
+from .guide_flags import GUIDE_HELP, read_guide_files
 from .progress import DownloadBar, ProgressBar, memory_report
 from .step_cache_flags import STEP_CACHE_NUMBER_FLAGS, step_cache_flags_given
 

@@ -121,7 +121,7 @@ def generate_long(args, say, outputs: dict | None, cli):
     import torch
 
     from ..components import COMPONENTS
-    from ..pipeline.long_video import generate_long_video
+    from ..pipeline.long_video import generate_long_video, planned_guides
     from ..pipeline.pipeline import H3Pipeline
     from ..planning.phase_plans import plan_components
     from ..planning.request_estimate import describe_windowed_estimate
@@ -150,16 +150,18 @@ def generate_long(args, say, outputs: dict | None, cli):
     longest = request.replace(num_frames=max(w.num_frames for w in windows))
     references = longest.normalised_references(canvas_rules(sources))
     cli.check_large_request(args, sources, longest, residency, references)
+    guides = planned_guides(request, windows)
     say(describe_windowed_estimate(sources, windows, device=args.device, width=request.width,
                                    height=request.height, steps=request.steps, dtype=DTYPES[args.dtype],
                                    chunk_size=args.chunk_size, loras=request.loras, keep=args.keep,
-                                   residency=residency, references=references,
-                                   step_cache=request.step_cache is not None))
+                                   residency=residency, references=references, keyframes=bool(request.anchors),
+                                   step_cache=request.step_cache is not None, guides=guides))
     options = plan_components(sources, device=args.device, residency=args.residency, chunk_size=args.chunk_size,
                               memory_budget_gb=args.memory_budget, width=request.width, height=request.height,
                               num_frames=longest.num_frames, loras=request.loras, keep=args.keep,
-                              steps=request.steps, dtype=DTYPES[args.dtype], keyframes=True,
-                              log=say, references=references, step_cache=request.step_cache is not None)
+                              steps=request.steps, dtype=DTYPES[args.dtype], keyframes=bool(request.anchors),
+                              log=say, references=references, step_cache=request.step_cache is not None,
+                              guides=guides)
     pipeline = H3Pipeline(sources, device=args.device, dtype=DTYPES[args.dtype], component_options=options,
                           log=say, **{f"keep_{name}": name in args.keep for name in COMPONENTS})
     bars: list = []

@@ -63,6 +63,19 @@ def window_requests(request: GenerationRequest, windows, schedule: PromptSchedul
     return requests
 
 
+def planned_guides(request: GenerationRequest, windows) -> tuple:
+    """The placed guides a long video's memory plan and preflight count: one overlap guide (its frames and their
+    soundtrack) on the longest window when any window is guided, so every window's plan is within it; () when none
+    is. Stand-in pixels: a plan reads only a guide's length."""
+    overlap = max((window.overlap for window in windows), default=0)
+    if not overlap:
+        return ()
+    stand_in = Guide(frame=0, frames=torch.zeros(overlap, 32, 32, 3),
+                     audio=torch.zeros(2, audio_samples_for_frames(overlap)), label="the overlap guide")
+    return request.replace(num_frames=max(window.num_frames for window in windows), first_frame=None,
+                           last_frame=None, guides=(stand_in,)).placed_guides
+
+
 def overlap_guide(frames: torch.Tensor, audio: torch.Tensor | None, window: Window, count: int) -> Guide:
     """The guide of `window`: the frames before it (and their soundtrack) at its frame 0."""
     if audio is not None:

@@ -40,10 +40,11 @@ from ..sources.model_sources import (ModelSources, canvas_rules, check_component
                                      transformer_partition)
 from ..request.audio_health import check_audio, raise_audio_errors, warning_line
 from ..request.guides import prepare_guide_frames
-from .layout import (GuideBlock, ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify, rows_to_audio,
-                     unpatchify)
+from .layout import (GuideBlock, ReferenceBlock, audio_to_rows, build_packed_layout, build_ref2va_layout, patchify,
+                     rows_to_audio, unpatchify)
 from .preview import StepEstimate
 from .sampler import Schedule, denoise, initial_noise, noise_condition, non_finite_error
+
 
 def _step_estimate(preview, video_shape, patch_size, step, total, video_rows, audio_rows) -> None:
     """The sampling loop's x0 rows as a `StepEstimate` for a `sample(preview=...)` callback."""

@@ -29,7 +29,8 @@ from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
 from ..models.meta_models import meta_model
 from ..models.step_cache import step_cache_activation_bytes
-from ..request.grid import AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape
+from ..request.grid import (AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape,
+                           video_latent_frames)
 from ..runtime.chunking import projection_elements_per_row
 from ..runtime.host_store import PinBudget
 from ..runtime.platform import Platform
@@ -115,7 +116,7 @@ def guide_rows_estimate(guides, shape: LatentShape) -> int:
     rows = 0
     for guide in guides:
         if guide.num_frames:
-            latent_frames = 1 if guide.num_frames == 1 else (guide.num_frames - 5) // 17 * 5 + 2
+            latent_frames = 1 if guide.num_frames == 1 else video_latent_frames(guide.num_frames)
             rows += latent_frames * (shape.latent_height // 2) * (shape.latent_width // 2)
         rows += AUDIO_CHANNELS * guide.audio_latents
     return rows

@@ -102,18 +102,21 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 86400:,.0f} days"
 
 
-def describe_windowed_estimate(sources, windows, *, device, width: int, height: int, steps: int, **options) -> str:
+def describe_windowed_estimate(sources, windows, *, device, width: int, height: int, steps: int, guides=(),
+                               **options) -> str:
     """The preflight of a long video or an extension: every window is an ordinary request (planned and estimated
     on its own, memory included: the peak is the largest window's, whatever the number of windows), and the time is
     the sum over the windows, plus their decodes and the mp4 encode as they stream (left out of the figure: the
-    estimate counts the transformer's work)."""
-    by_length: dict[int, RequestEstimate] = {}
+    estimate counts the transformer's work). `guides`: the overlap guide a guided window carries
+    (`pipeline.long_video.planned_guides`)."""
+    by_window: dict[tuple[int, bool], RequestEstimate] = {}
     for window in windows:
-        if window.num_frames not in by_length:
-            by_length[window.num_frames] = estimate_request(sources, device=device, width=width, height=height,
-                                                            num_frames=window.num_frames, steps=steps,
-                                                            keyframes=bool(window.overlap), **options)
-    estimates = [by_length[window.num_frames] for window in windows]
+        key = (window.num_frames, bool(window.overlap))
+        if key not in by_window:
+            by_window[key] = estimate_request(sources, device=device, width=width, height=height,
+                                              num_frames=window.num_frames, steps=steps,
+                                              guides=guides if window.overlap else (), **options)
+    estimates = [by_window[(window.num_frames, bool(window.overlap))] for window in windows]
     peak = max(estimates, key=lambda e: e.peak_bytes)
     flops = sum(e.transformer_flops for e in estimates)
     per_window = estimates[0].seconds_at_assumed_flops
