@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import H3Error
-
-GUIDE_SAMPLE_RATE = 32_000
+from .grid import AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, FPS
 
 
 @dataclass(frozen=True, eq=False)
@@ -31,7 +30,7 @@ class Guide:
     frame: int = 0
     frames: torch.Tensor | None = field(default=None, repr=False)
     audio: torch.Tensor | None = field(default=None, repr=False)
-    sample_rate: int = GUIDE_SAMPLE_RATE
+    sample_rate: int = AUDIO_SAMPLE_RATE
     label: str = "guide"
 
     def __post_init__(self):
@@ -72,10 +71,10 @@ class Guide:
 # media would hide a mistake: core crops audio that runs past the end of the video without a word, and we refuse it
 # (beyond one audio latent, 25 ms, which is rounding: that is cropped, as core does).
 
-AUDIO_HOP = 800  # 32 kHz samples per audio latent (40 latents a second)
+AUDIO_HOP = AUDIO_SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND  # 800 samples per audio latent
 CLIP_FRAMES_PER_CHUNK = 17
 CLIP_MIN_FRAMES = 5
-FRAME_TIME_UNITS = 5.0 / 3.0  # audio latents (1/40 s) per pixel frame (1/24 s)
+FRAME_TIME_UNITS = AUDIO_LATENTS_PER_SECOND / FPS  # 5/3 audio latents (1/40 s) per pixel frame (1/24 s)
 
 
 def guide_clip_frames(count: int) -> int:
@@ -147,7 +146,7 @@ class PlacedGuide:
 
 
 def _seconds(frames: float) -> str:
-    return f"{frames / 24:.2f} s"
+    return f"{frames / FPS:.2f} s"
 
 
 def place_guides(guides, *, num_frames: int, width: int, height: int, audio_latents: int, anchors=(),
@@ -200,8 +199,8 @@ def place_guides(guides, *, num_frames: int, width: int, height: int, audio_late
                                     guide.audio.shape[-1] / guide.sample_rate + 1)  # whole: checked below
             latents = -(-int(audio.shape[1]) // AUDIO_HOP)
             if max_latents < 1 or latents > max_latents + 1:  # one latent (25 ms) over is rounding: cropped
-                left_s = max(0.0, max_latents / 40)
-                raise H3Error(f"{label}: its audio is {audio.shape[1] / 32000:.2f} s but the video has "
+                left_s = max(0.0, max_latents / AUDIO_LATENTS_PER_SECOND)
+                raise H3Error(f"{label}: its audio is {audio.shape[1] / AUDIO_SAMPLE_RATE:.2f} s but the video has "
                               f"{left_s:.2f} s left from frame {resolved} ({num_frames} frames, "
                               f"{_seconds(num_frames)}); cut the audio to {left_s:.2f} s or start it earlier.")
         placed.append(PlacedGuide(guide, resolved, count, audio, max_latents, label))
@@ -227,6 +226,8 @@ def _check_overlaps(spans, what: str) -> None:
             if what == "frames":
                 where = f"{label_a} holds {frames(start_a, end_a)}, {label_b} {frames(start_b, end_b)}"
             else:
-                where = f"their audio overlaps from {start_b / 40:.2f} s to {min(end_a, end_b) / 40:.2f} s"
+                per_second = AUDIO_LATENTS_PER_SECOND
+                where = (f"their audio overlaps from {start_b / per_second:.2f} s to "
+                         f"{min(end_a, end_b) / per_second:.2f} s")
             raise H3Error(f"{label_b} overlaps {label_a}: {where}. Guides anchor different frames; move one of "
                           "them, or shorten it.")
