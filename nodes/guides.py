@@ -84,6 +84,8 @@ def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None, 
     from h3_core.request.guides import Guide
     from h3_core.request.references import normalise_audio
 
+    from .references import video_entry
+
     label = guide_label(node_id, frame)
     if image is None and video is None and audio is None:
         raise H3Error(f"{label}: connect an image, a video or an audio to anchor (it has none).")
@@ -93,12 +95,7 @@ def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None, 
     if image is not None:
         frames = _image_frames(image, label, "image")
     if video is not None:
-        components = video.get_components() if hasattr(video, "get_components") else video
-        images = getattr(components, "images", None)
-        if images is None:
-            raise H3Error(f"{label}: video: expected a VIDEO (images, audio, frame rate), got "
-                          f"{type(video).__name__}.")
-        rate = float(getattr(components, "frame_rate", FPS))
+        images, video_waveform, rate, video_sample_rate = video_entry(video, f"{label}: video")
         if abs(rate - FPS) > FPS_TOLERANCE:
             raise H3Error(f"{label}: video: the clip is at {rate:g} fps and H3 makes {FPS} fps, one guide frame per "
                           f"video frame; convert it to {FPS} fps first (e.g. ffmpeg -i IN -r {FPS} OUT.mp4, then Load "
@@ -107,22 +104,22 @@ def make_guide(frame: int, *, image=None, video=None, audio=None, node_id=None, 
             note(f"video at {rate:.3f} fps placed one frame per output frame at {FPS} fps "
                  f"({abs(FPS / rate - 1) * 100:.1f} % {'faster' if rate < FPS else 'slower'}).")
         frames = _image_frames(images, label, "video")
-        soundtrack = getattr(components, "audio", None)
-    if audio is not None:
-        soundtrack = audio  # alone, or the image's / the video's soundtrack (it replaces the video's own)
-    waveform = None
-    if soundtrack is not None:
-        if not isinstance(soundtrack, dict) or "waveform" not in soundtrack or "sample_rate" not in soundtrack:
+        if video_waveform is not None:
+            soundtrack = (video_waveform, video_sample_rate)
+    if audio is not None:  # alone, or the image's / the video's soundtrack (it replaces the video's own)
+        if not isinstance(audio, dict) or "waveform" not in audio or "sample_rate" not in audio:
             raise H3Error(f"{label}: audio: expected an AUDIO ({{'waveform': [1, C, N], 'sample_rate': int}}), got "
-                          f"{type(soundtrack).__name__}.")
-        source = soundtrack["waveform"]
+                          f"{type(audio).__name__}.")
+        source = audio["waveform"]
         if source.ndim == 3:
             if source.shape[0] != 1:
                 raise H3Error(f"{label}: audio: a batch of {source.shape[0]} waveforms; connect one.")
             source = source[0]
+        soundtrack = (source, int(audio["sample_rate"]))
+    waveform = None
+    if soundtrack is not None:
         # Longer than any video is cut at the source rate (h3_core says when it runs past the end of this one).
-        waveform = normalise_audio(source, int(soundtrack["sample_rate"]), f"{label}: audio",
-                                   max_seconds=4 * MAX_SECONDS)
+        waveform = normalise_audio(*soundtrack, f"{label}: audio", max_seconds=4 * MAX_SECONDS)
     return Guide(frame=int(frame), frames=frames, audio=waveform, sample_rate=AUDIO_SAMPLE_RATE, label=label)
 
 

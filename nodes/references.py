@@ -120,13 +120,14 @@ def collect(ref_image_size, connected: dict, frames: int | None = None) -> H3Ref
                    + [(("video", i), n) for i, (n, _) in enumerate(videos)]
                    + [(("audio", i), n) for i, (n, _) in enumerate(audios)])
     return H3References(images=tuple(image for _, image in images),
-                        videos=tuple(_video_entry(video, name) for name, video in videos),
+                        videos=tuple(video_entry(video, name) for name, video in videos),
                         audios=tuple((audio["waveform"], int(audio["sample_rate"])) for _, audio in audios),
                         image_size=ref_image_size, labels=labels, num_frames=frames)
 
 
-def _video_entry(video, socket: str):
-    """A VIDEO (core's VideoInput: `get_components()`; or its components) -> h3_core's video reference tuple."""
+def video_entry(video, socket: str):
+    """A VIDEO (core's VideoInput: `get_components()`; or its components) -> h3_core's video reference tuple
+    (frames, waveform [C, N] or None, fps, sample rate or None); also read by H3 Guide."""
     from h3_core.errors import H3Error
 
     components = video.get_components() if hasattr(video, "get_components") else video
