@@ -486,6 +486,233 @@ def write_audio_vae(folder: str | os.PathLike, *, seed: int = 0, overrides: Mapp
     return path, config
 
 
+# ---- GGUF files: quantised blocks at disk speed ----------------------------------------------------------------------
+
+GGUF_BLOCK_POOL = 1 << 22  # values of the pool the quantised blocks are made from (a whole number of 256-blocks)
+
+
+class QuantisedBlocks:
+    """A pool of ggml blocks of one type, made once from the seeded normal values, and copies of it with every block's
+    scale fields multiplied by a tensor's scale: the blocks of `normal * scale` up to fp16 rounding, since Q8_0 and
+    this Q4_K encoding are linear in their scales. A tensor's bytes are a window of such a copy, started at a block
+    drawn from its name, so writing costs no quantisation.
+
+    Q8_0 blocks come from gguf's own quantiser. gguf cannot quantise K-quants, so Q4_K blocks are a valid symmetric
+    encoding written here: every sub-block's 6-bit scale and min 63 (the 12 scale bytes all 0xFF), d = amax / (63 *
+    7.5), dmin = 7.5 d, so a value is 63 d (q - 7.5) with q = round(x / (63 d) + 7.5) in 0..15; the pool is checked
+    against gguf's `dequantize` when it is made (the bytes are what gguf reads)."""
+
+    def __init__(self, qtype, source: ValueSource):
+        import gguf
+        import numpy as np
+
+        self.qtype = qtype
+        self.block_values, self.block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        normal = source.normal[:GGUF_BLOCK_POOL].numpy().astype(np.float32)
+        types = gguf.GGMLQuantizationType
+        if qtype == types.Q8_0:
+            raw = gguf.quants.quantize(normal.reshape(-1, 32), types.Q8_0).reshape(-1, 34)
+            self.scale_fields = ((0, 2),)  # d
+        elif qtype == types.Q4_K:
+            raw = self._q4_k(normal)
+            self.scale_fields = ((0, 2), (2, 4))  # d, dmin
+        else:
+            raise ValueError(f"no synthetic pool for {qtype!r}")
+        decoded = gguf.quants.dequantize(raw.reshape(-1), qtype).reshape(-1)
+        error = float(np.sqrt(np.mean((decoded - normal) ** 2)))
+        if not error < 0.15:  # Q4_K with 16 levels over +-amax: about 0.1 of a unit normal
+            raise AssertionError(f"synthetic {qtype.name} pool decodes with RMS error {error:.3f}")
+        self.raw = raw
+        self.blocks = raw.shape[0]
+        self._scaled: OrderedDict[float, object] = OrderedDict()
+
+    @staticmethod
+    def _q4_k(values):
+        import numpy as np
+
+        x = values.reshape(-1, 256)
+        amax = np.abs(x).max(axis=1, keepdims=True)
+        d = (amax / (63 * 7.5)).astype(np.float16)
+        step = 63 * d.astype(np.float32)
+        q = np.clip(np.rint(x / np.where(step > 0, step, 1) + 7.5), 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+        qs = (q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(-1, 128)
+        out = np.empty((x.shape[0], 144), dtype=np.uint8)
+        out[:, 0:2] = d.view(np.uint8)
+        out[:, 2:4] = (d.astype(np.float32) * 7.5).astype(np.float16).view(np.uint8)
+        out[:, 4:16] = 0xFF
+        out[:, 16:] = qs
+        return out
+
+    def scaled(self, scale: float):
+        import numpy as np
+
+        if scale in self._scaled:
+            self._scaled.move_to_end(scale)
+            return self._scaled[scale]
+        if len(self._scaled) >= CACHED_POOLS:
+            self._scaled.popitem(last=False)
+        copy = self.raw.copy()
+        for a, b in self.scale_fields:
+            field = np.ascontiguousarray(copy[:, a:b]).view(np.float16)
+            copy[:, a:b] = (field.astype(np.float32) * scale).astype(np.float16).view(np.uint8)
+        self._scaled[scale] = copy
+        return copy
+
+    def tensor_bytes(self, name: str, shape: tuple[int, ...], scale: float, source: ValueSource):
+        """The stored bytes of a tensor of logical `shape` (rows of `shape[-1]` values), as [rows, bytes per row]."""
+        import numpy as np
+
+        count = math.prod(shape) // self.block_values
+        pool = self.scaled(scale)
+        start = source.offset(name) % self.blocks
+        index = (start + np.arange(count)) % self.blocks
+        return pool[index].reshape(math.prod(shape[:-1]), -1)
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its name there, logical (torch-order) shape, ggml type and values (`spec`, whose
+    dtype is ignored for quantised types)."""
+
+    name: str
+    shape: tuple[int, ...]
+    qtype: object
+    spec: TensorSpec
+
+
+def gguf_quantisable(shape: tuple[int, ...], qtype) -> bool:
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return len(shape) == 2 and shape[-1] % block == 0
+
+
+def write_gguf(path: str | os.PathLike, arch: str, tensors: list[GGUFTensor], metadata=(), *, seed: int = 0,
+               sync: bool = True, values: bool = True) -> int:
+    """One GGUF file by gguf's own writer: the metadata (`[(key, value, GGUFValueType)]`), the tensor infos, then
+    each tensor's data; returns the file size. Plain tensors are F32 / F16 / BF16 from `ValueSource`, quantised ones
+    windows of `QuantisedBlocks`. Held: the pools and one tensor's bytes. `values=False` writes the header only and
+    leaves the data a hole of its full length (a sparse file, for plans)."""
+    import gguf
+    import numpy as np
+
+    types = gguf.GGMLQuantizationType
+    source = ValueSource(seed, CHUNK_BYTES)
+    pools: dict = {}
+    plain = {types.F32: (torch.float32, np.float32), types.F16: (torch.float16, np.float16),
+             types.BF16: (torch.bfloat16, np.uint16)}
+    writer = gguf.GGUFWriter(str(path), arch)
+    try:
+        for key, value, value_type in metadata:
+            if key == "general.architecture":
+                continue
+            if value_type == gguf.GGUFValueType.ARRAY:
+                writer.add_array(key, value)
+            else:
+                writer.add_key_value(key, value, value_type)
+        for t in tensors:
+            if t.qtype in plain:
+                nbytes = math.prod(t.shape) * plain[t.qtype][0].itemsize
+                writer.add_tensor_info(t.name, t.shape, np.dtype(plain[t.qtype][1]), nbytes,
+                                       raw_dtype=t.qtype if t.qtype == types.BF16 else None)
+            else:
+                block, size = gguf.GGML_QUANT_SIZES[t.qtype]
+                rows = math.prod(t.shape[:-1])
+                writer.add_tensor_info(t.name, (rows, t.shape[-1] // block * size), np.dtype(np.uint8),
+                                       rows * t.shape[-1] // block * size, raw_dtype=t.qtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        if not values:
+            alignment = writer.data_alignment
+            pad = lambda n: -(-n // alignment) * alignment  # noqa: E731
+            writer.fout[0].flush()
+            total = pad(writer.fout[0].tell()) + sum(pad(info.nbytes) for info in writer.tensors[0].values())
+            writer.close()
+            os.truncate(path, total)
+            return total
+        for t in tensors:
+            if t.qtype in plain:
+                spec = dataclasses.replace(t.spec, dtype=plain[t.qtype][0], shape=t.shape)
+                data = b"".join(bytes(piece) for piece in source.pieces(spec))
+                array = np.frombuffer(data, dtype=plain[t.qtype][1]).reshape(t.shape)
+            else:
+                if t.qtype not in pools:
+                    pools[t.qtype] = QuantisedBlocks(t.qtype, source)
+                array = pools[t.qtype].tensor_bytes(t.name, t.shape, t.spec.scale, source)
+            writer.write_tensor_data(array)
+            del array
+        writer.close()
+        if sync:
+            with open(path, "rb+") as handle:
+                os.fsync(handle.fileno())
+    finally:
+        writer.close()
+    return Path(path).stat().st_size
+
+
+def write_dit_gguf(path: str | os.PathLike, blocks: int, *, refiner_blocks: int = 2, seed: int = 0,
+                   config_overrides: Mapping | None = None, sync: bool = True,
+                   values: bool = True) -> tuple[Path, H3DiTConfig]:
+    """The DiT as one Q8_0 `.gguf` as `python -m h3_core quantize` writes it (ComfyUI-GGUF naming: the state-dict
+    keys, arch `minimax_h3`): the 2-D matrices of the blocks and the refiner Q8_0, every other tensor as the release
+    stores it (bf16, the fp32 islands)."""
+    import gguf
+
+    types = gguf.GGMLQuantizationType
+    config = dit_config(blocks, refiner_blocks, config_overrides)
+    tensors = []
+    for spec in dit_specs(config):
+        quantised = (spec.name.startswith(("blocks.", "token_refiner.blocks.")) and spec.name.endswith(".weight")
+                     and gguf_quantisable(spec.shape, types.Q8_0))
+        qtype = types.Q8_0 if quantised else (types.F32 if spec.dtype == torch.float32 else types.BF16)
+        tensors.append(GGUFTensor(spec.name, spec.shape, qtype, spec))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_gguf(path, "minimax_h3", tensors, seed=seed, sync=sync, values=values)
+    return path, config
+
+
+def write_text_encoder_gguf(path: str | os.PathLike, mmproj: str | os.PathLike | None, layers: int, *,
+                            vision_layers: int = 27, seed: int = 0, overrides: Mapping | None = None,
+                            sync: bool = True, values: bool = True) -> tuple[Path, TextEncoderConfig]:
+    """Qwen3-VL-32B in the published llama.cpp layout (`h3_core.checkpoints.text_encoder_gguf`): the language file
+    at `path` (`qwen3vl`, decoder layers 0 .. `layers` - 1; matrices and the token embedding Q4_K, or Q8_0 / F16
+    where a row does not fit 256-value blocks; norms F32) and, unless `mmproj` is None, the vision tower at `mmproj`
+    (`clip`; matrices Q8_0 where a row fits 32-value blocks, else F16; the patch and position embeddings F16,
+    never quantised, as llama.cpp keeps them), with H3's tokenizer.json beside them; returns (path, config)."""
+    import gguf
+
+    from h3_core.checkpoints.text_encoder_gguf import (MMPROJ_ARCH, MMPROJ_FILE, TEXT_ARCH, mmproj_metadata,
+                                                       published_tensors, text_metadata)
+    from h3_core.models.vision_tower import ImageProcessorConfig
+    from h3_core.sources.tiny_default import write_tiny_tokenizer
+
+    types = gguf.GGMLQuantizationType
+    raw = text_encoder_raw_config(layers, vision_layers if mmproj is not None else 0, overrides)
+    config = TextEncoderConfig.from_hf_dict(raw)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files: dict[str, list[GGUFTensor]] = {"text": [], MMPROJ_FILE: []}
+    for t in published_tensors(config, layers):
+        spec = _spec(t.sources[0], t.shape, torch.bfloat16)
+        if len(t.shape) == 1:
+            qtype = types.F32
+        elif t.file == "text" and gguf_quantisable(t.shape, types.Q4_K):
+            qtype = types.Q4_K
+        elif t.name.startswith(("v.patch_embd", "v.position_embd")) or not gguf_quantisable(t.shape, types.Q8_0):
+            qtype = types.F16
+        else:
+            qtype = types.Q8_0
+        files[t.file].append(GGUFTensor(t.name, t.shape, qtype, dataclasses.replace(spec, name=t.name)))
+    write_gguf(path, TEXT_ARCH, files["text"], text_metadata(config, layers), seed=seed, sync=sync, values=values)
+    if mmproj is not None:
+        write_gguf(Path(mmproj), MMPROJ_ARCH, files[MMPROJ_FILE], mmproj_metadata(config, ImageProcessorConfig()),
+                   seed=seed, sync=sync, values=values)
+    write_tiny_tokenizer(path.parent / "tokenizer.json")
+    return path, config
+
+
 # ---- command line --------------------------------------------------------------------------------------------------
 
 
