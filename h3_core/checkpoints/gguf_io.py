@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from ..errors import CheckpointError
-from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
+from ..runtime.file_reads import FileIdentity, FileSegment, map_file, tag_segment
 from .quantised import gguf_package
 
 GGUF_SUFFIX = ".gguf"
@@ -132,7 +132,7 @@ class GGUFFile:
         if ggml_type is not None:
             shape = stored
         if self._storage is None:
-            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.file_size)
+            self._storage = map_file(self.path, self.file_size)
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize == 0:
             view = torch.empty(0, dtype=dtype).set_(self._storage, offset // itemsize, shape)

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointError, PickleCheckpointError
 from ..json_values import is_whole
-from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
+from ..runtime.file_reads import FileIdentity, FileSegment, map_file, tag_segment
 
 PICKLE_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".pkl", ".pickle")
 
@@ -251,8 +251,8 @@ class SafetensorsFile:
         """A read-only-by-convention view of `key` backed by the file's private memory map."""
         dtype, shape, begin, _ = self._entries[key]
         if self._storage is None:
-            # shared=False maps the file privately: pages are read lazily and stay evictable; a write would copy.
-            self._storage = torch.UntypedStorage.from_file(str(self.path), shared=False, nbytes=self.file_size)
+            # pages are read lazily and stay evictable (see map_file).
+            self._storage = map_file(self.path, self.file_size)
         offset = self._data_start + begin
         itemsize = torch.empty((), dtype=dtype).element_size()
         if offset % itemsize == 0:

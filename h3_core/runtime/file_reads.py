@@ -108,6 +108,27 @@ class FileSegment:
     identity: FileIdentity
 
 
+def map_file(path: str | os.PathLike, nbytes: int) -> torch.UntypedStorage:
+    """The file's `nbytes` as a lazily paged memory map: a private (copy-on-write) mapping, and where the system
+    refuses that, a read-only shared one. A private writable mapping is charged against the commit limit, so Linux
+    (heuristic overcommit) refuses one larger than RAM + swap: a single 35 GB GGUF or a 66 GB ComfyUI repack on a
+    24 GB machine ("Cannot allocate memory"). The read-only mapping is charged nothing; the loaders never write
+    into mapped tensors (they are read by `pread`, or copied), so both serve them alike."""
+    try:
+        return torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)
+    except RuntimeError as exc:
+        if "Cannot allocate memory" not in str(exc):
+            raise
+    import mmap
+    import warnings
+
+    with open(path, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), nbytes, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # "not writable": known, and kept so (the tensor holds the map alive)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapped, dtype=torch.uint8).untyped_storage()
+
+
 def tag_segment(tensor: torch.Tensor, segment: FileSegment) -> torch.Tensor:
     """Remember where `tensor` (a memory-mapped view) lives in its file, so stores can read it explicitly."""
     tensor._h3_file_segment = segment
