@@ -145,3 +145,18 @@ def test_grid_types_still_decode_through_gguf_on_the_host():
     raw = np.zeros(stored, dtype=np.uint8)
     out = q.dequantise([torch.from_numpy(raw)], torch.float32, q.shape)
     assert torch.equal(out, torch.from_numpy(gguf.quants.dequantize(raw, T.IQ2_XXS)))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: T(t).name)
+def test_a_weight_decoded_in_row_pieces_is_gguf_values_cast(qtype, monkeypatch):
+    """Large weights decode a few rows at a time (the decoders' float32 temporaries of a whole token embedding took
+    8.5 GB): pieces of 3 rows, the last one short, give gguf's values exactly."""
+    from h3_core.checkpoints import quantised
+
+    monkeypatch.setattr(quantised, "DECODE_CHUNK_VALUES", 3 * 512)
+    q, stored = _gguf_weight(qtype, rows=10)
+    raw = _random_blocks(qtype, stored[0] * stored[1] // gguf_dequant.BLOCK[int(qtype)][1],
+                         np.random.default_rng(5)).reshape(stored)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).to(torch.bfloat16)
+    assert torch.equal(q.dequantise([torch.from_numpy(raw)], torch.bfloat16, q.shape).view(torch.int16),
+                       expected.view(torch.int16))
