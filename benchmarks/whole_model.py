@@ -40,7 +40,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -132,28 +131,39 @@ def _peak_rss() -> int:
     return 0
 
 
-class PassLog:
-    """The streamed stores' figures of every pass that ends, attributed to the phase running when it ended."""
+class ReadLog:
+    """The streamed stores' read counters (bytes read, reader time, the compute's waits for reads), summed per phase
+    over every offload manager alive in it: the block stacks, the AdaLN stack and the phase-scoped weights."""
 
     def __init__(self):
-        self.phase: str | None = None
-        self.passes: list[dict] = []
-        self._lock = threading.Lock()
+        import weakref
+
+        self.managers = weakref.WeakSet()
+        self.seen: dict[int, tuple] = {}
 
     def install(self) -> None:
-        from h3_core.runtime.layerwise import LayerwiseResidency
+        from h3_core.runtime.layerwise import LayerwiseOffloadManager
 
-        log, original = self, LayerwiseResidency._close_pass_figures
+        log, original = self, LayerwiseOffloadManager.__init__
 
-        def close_pass_figures(residency):
-            original(residency)
-            c = residency._current
-            with log._lock:
-                log.passes.append({"phase": log.phase, "component": getattr(residency, "component", ""),
-                                   "bytes_read": c.bytes_read, "read_s": c.read_s, "read_wait_s": c.read_wait_s,
-                                   "seconds": c.seconds})
+        def init(manager, *args, **kwargs):
+            original(manager, *args, **kwargs)
+            log.managers.add(manager)
 
-        LayerwiseResidency._close_pass_figures = close_pass_figures
+        LayerwiseOffloadManager.__init__ = init
+
+    def take(self) -> dict:
+        """What was read since the last call: bytes_read, read_s, read_wait_s."""
+        total = [0, 0.0, 0.0]
+        for manager in list(self.managers):
+            now = manager._read_counters()
+            if now is None:
+                continue
+            before = self.seen.get(id(manager), (0, 0.0, 0.0))
+            for i in range(3):
+                total[i] += now[i] - before[i]
+            self.seen[id(manager)] = now
+        return {"streamed_bytes": total[0], "reader_s": total[1], "read_wait_s": total[2]}
 
 
 def run_task(args) -> dict:
@@ -180,8 +190,8 @@ def run_task(args) -> dict:
     pipeline = H3Pipeline(sources, device="cpu", component_options=options, log=messages.append)
     runs = dict(H3Pipeline.PHASES)
     sampler = PhaseSampler(args.interval_ms / 1000)
-    passes = PassLog()
-    passes.install()
+    reads = ReadLog()
+    reads.install()
     phases: list[dict] = []
     baseline: dict[str, int] = {}
     real_enter, real_component, real_release = pipeline.enter_phase, pipeline.component, pipeline.release
@@ -192,13 +202,14 @@ def run_task(args) -> dict:
             phase["wall_s"] = time.perf_counter() - phase["started"]
             phase["disk_read_bytes"] = _disk_read_bytes() - phase["disk_read_at_start"]
             phase["at_end"] = list(pipeline.loaded)
+            phase.update(reads.take())
 
     def enter_phase(phase: str) -> None:
         close_phase()
         real_enter(phase)
         _trim()
         sampler.enter(phase)
-        passes.phase = phase
+        reads.take()  # the releases at the phase's start belong to no phase
         phases.append({"phase": phase, "runs": runs[phase], "at_start": list(pipeline.loaded),
                        "floor": _status()["RssAnon"] - baseline["RssAnon"], "started": time.perf_counter(),
                        "disk_read_at_start": _disk_read_bytes(), "load_s": 0.0})
@@ -236,18 +247,15 @@ def run_task(args) -> dict:
     for phase in phases:
         name = phase["phase"]
         peak = sampler.peaks[name]
-        mine = [p for p in passes.passes if p["phase"] == name]
-        read_s = sum(p["read_s"] for p in mine)
-        read_wait_s = sum(p["read_wait_s"] for p in mine)
         planned = plan.phase(name)
         out.append({
             "phase": name, "runs": phase["runs"], "at_start": phase["at_start"], "at_end": phase["at_end"],
             "predicted": planned.total_bytes, "peak_part": planned.peak_part,
             "measured": peak["RssAnon"] - baseline["RssAnon"] - phase["floor"],
             "peak_rss": peak["RssAnon"] + peak["RssFile"] + peak.get("RssShmem", 0), "peak_anon": peak["RssAnon"],
-            "disk_read_bytes": phase["disk_read_bytes"], "streamed_bytes": sum(p["bytes_read"] for p in mine),
-            "reader_s": read_s, "read_wait_s": read_wait_s, "load_s": phase["load_s"], "wall_s": phase["wall_s"],
-            "passes": len(mine)})
+            "disk_read_bytes": phase["disk_read_bytes"], "streamed_bytes": phase["streamed_bytes"],
+            "reader_s": phase["reader_s"], "read_wait_s": phase["read_wait_s"], "load_s": phase["load_s"],
+            "wall_s": phase["wall_s"]})
     return {"task": args.child, "budget_gib": args.memory_budget, "seconds": seconds, "peak_rss": peak_rss,
             "phases": out, "frames": list(result.frames.shape), "audio": list(result.waveform.shape),
             "finite": bool(torch.isfinite(result.frames).all()) and bool(torch.isfinite(result.waveform).all()),
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=TEXT_ENCODER_LAYER, help="text-encoder layers written")
     parser.add_argument("--vision-layers", type=int, default=27)
     parser.add_argument("--size", default="128x128")
-    parser.add_argument("--frames", type=int, default=9)
+    parser.add_argument("--frames", type=int, default=22)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--interval-ms", type=float, default=5.0)
