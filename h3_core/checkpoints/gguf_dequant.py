@@ -140,7 +140,7 @@ def _q5_1(b):
 
 
 def _q8_0(b):
-    return b[:, 2:].view(torch.int8).to(torch.float32) * _f16(b, 0)
+    return b[:, 2:].view(torch.int8).to(torch.float32).mul_(_f16(b, 0))
 
 
 def _q2_k(b):
@@ -173,16 +173,19 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _k_affine(b, q: torch.Tensor) -> torch.Tensor:
-    """Q4_K / Q5_K: codes q (n, 8, 32) -> d * scale * q - dmin * min per sub-block."""
+    """Q4_K / Q5_K: codes q (n, 8, 32) -> d * scale * q - dmin * min per sub-block (in place on the codes' float32
+    copy: the same two roundings, one buffer instead of three)."""
     n = b.shape[0]
     scale, low = _k_scales(b[:, 4:16])
     d = (_f16(b, 0) * scale.to(torch.float32)).reshape(n, 8, 1)
     dm = (_f16(b, 2) * low.to(torch.float32)).reshape(n, 8, 1)
-    return (d * q.to(torch.float32) - dm).reshape(n, QK_K)
+    return q.to(torch.float32).mul_(d).sub_(dm).reshape(n, QK_K)
 
 
 def _q4_k(b):
-    return _k_affine(b, _nibbles(b[:, 16:], 32).reshape(b.shape[0], 8, 32))
+    # Each 32-byte run holds a sub-block's codes in its low nibbles and the next sub-block's in its high ones.
+    runs = b[:, 16:].reshape(b.shape[0], 4, 1, 32)
+    return _k_affine(b, torch.cat((runs & 0x0F, runs >> 4), dim=2).reshape(b.shape[0], 8, 32))
 
 
 def _q5_k(b):
