@@ -83,7 +83,10 @@ class GGUFFile:
         self.file_size = stat.st_size
         self.identity = FileIdentity.of_stat(stat)
         try:
-            reader = _reader_class(gguf)(self.path, "r")
+            try:
+                reader = _reader_class(gguf)(self.path, "r")
+            except (AttributeError, TypeError):  # a gguf whose reader internals differ: its own reader, slower
+                reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, IndexError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file ({exc}); the file is truncated or "
                                   "not a GGUF file. Download it again.", path=self.path) from None
