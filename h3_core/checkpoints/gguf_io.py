@@ -1,8 +1,10 @@
 """GGUF checkpoint files, read through the `gguf` package's reader (header only) and memory-mapped like safetensors.
 
 `GGUFFile` offers what the loaders ask of a `SafetensorsFile` (keys, shapes, dtypes, zero-copy tensors tagged with
-their file segment, so streamed reads `pread` them). Tensor names are the state-dict keys, as ComfyUI-GGUF writes
-them; shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
+their file segment, so streamed reads `pread` them), and the header's small metadata values (`metadata`: the
+architecture, hyper-parameters; the tokenizer's long arrays are stepped over). Tensor names are the file's: the
+state-dict keys for a DiT (as ComfyUI-GGUF writes them), llama.cpp's for a Qwen3-VL text encoder
+(`text_encoder_gguf`); shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
 ggml type is quantised: `tensor(key)` is its raw blocks (uint8, one row of blocks per logical row) and
 `quantised.QuantisedWeight` dequantises them (`gguf_dequant`, in torch). Each tensor's size, from its type and shape,
 is checked against the space the data section gives it (`_check_layout`), so a wrong type or shape field is refused
@@ -23,6 +25,50 @@ from ..runtime.file_reads import FileIdentity, FileSegment, map_file, tag_segmen
 from .quantised import gguf_package
 
 GGUF_SUFFIX = ".gguf"
+# Metadata arrays longer than this (token lists) are not kept in `GGUFFile.metadata`.
+METADATA_ARRAY_LIMIT = 4096
+
+
+_READER_CLASS = None
+
+
+def _reader_class(gguf):
+    """gguf's `GGUFReader`, except that metadata arrays longer than `METADATA_ARRAY_LIMIT` (a published language
+    model's 151k tokens, types and merges) are stepped over instead of being split into one NumPy view per entry,
+    which takes seconds on every open; their fields keep no values (`GGUFFile` does not read them)."""
+    global _READER_CLASS
+    if _READER_CLASS is not None:
+        return _READER_CLASS
+    import sys
+
+    import numpy as np
+
+    array_type, string_type = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+    class Reader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == array_type:
+                item, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+                if int(length[0]) > METADATA_ARRAY_LIMIT:
+                    size = self._array_bytes(orig_offs + 12, int(item[0]), int(length[0]))
+                    if size is not None:
+                        return 12 + size, [item, length], [], [array_type, gguf.GGUFValueType(int(item[0]))]
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _array_bytes(self, offset: int, item: int, length: int) -> int | None:
+            if item == string_type:
+                order = "big" if (self.byte_order == "S") == (sys.byteorder == "little") else "little"
+                view, start = memoryview(self.data), offset
+                for _ in range(length):
+                    offset += 8 + int.from_bytes(view[offset:offset + 8], order)
+                if offset > len(self.data):
+                    raise ValueError("a metadata array runs past the end of the file")
+                return offset - start
+            scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item))
+            return None if scalar is None else np.dtype(scalar).itemsize * length  # nested arrays: gguf's own way
+
+    _READER_CLASS = Reader
+    return Reader
 
 
 class GGUFFile:
@@ -37,7 +83,10 @@ class GGUFFile:
         self.file_size = stat.st_size
         self.identity = FileIdentity.of_stat(stat)
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            try:
+                reader = _reader_class(gguf)(self.path, "r")
+            except (AttributeError, TypeError):  # a gguf whose reader internals differ: its own reader, slower
+                reader = gguf.GGUFReader(self.path, "r")
         except (ValueError, IndexError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file ({exc}); the file is truncated or "
                                   "not a GGUF file. Download it again.", path=self.path) from None
@@ -45,12 +94,16 @@ class GGUFFile:
         plain = {types.F32: torch.float32, types.F16: torch.float16, types.BF16: torch.bfloat16,
                  types.F64: torch.float64, types.I8: torch.int8, types.I16: torch.int16, types.I32: torch.int32,
                  types.I64: torch.int64}
-        self.metadata: dict[str, str] = {}
-        arch = reader.fields.get("general.architecture")
-        if arch is not None:
+        # The small metadata values (hyper-parameters, the architecture); the tokenizer's long arrays are skipped.
+        self.metadata: dict[str, object] = {}
+        for name, value in reader.fields.items():
+            long_array = (value.types[:1] == [gguf.GGUFValueType.ARRAY] and len(value.parts) > 4
+                          and int(value.parts[4][0]) > METADATA_ARRAY_LIMIT)
+            if name.startswith(("GGUF.", "tokenizer.")) or long_array:
+                continue
             try:
-                self.metadata["general.architecture"] = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
-            except (IndexError, TypeError):
+                self.metadata[name] = value.contents()
+            except (IndexError, TypeError, ValueError, UnicodeDecodeError):
                 pass
         self._check_layout(reader)
         # key -> (dtype, torch shape, byte offset, nbytes, ggml type or None, stored (byte) shape, type name)
