@@ -138,14 +138,20 @@ def lora_recommendations(loras, args, say) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    q = commands.add_parser("quantize", help="write a quantised copy of a transformer checkpoint (bf16, fp16 or "
-                                             "fp32), streaming it a tensor at a time")
-    q.add_argument("source", help="the transformer (bf16, fp16 or fp32): a ComfyUI .safetensors file or a "
-                                  "transformer folder")
+    q = commands.add_parser("quantize", help="write a quantised copy of a transformer or text-encoder checkpoint "
+                                             "(bf16, fp16 or fp32), streaming it a tensor at a time")
+    q.add_argument("source", help="the transformer (a ComfyUI .safetensors file or a transformer folder) or, with "
+                                  "--component text_encoder, the text encoder (its text_encoder/ folder, a partition "
+                                  "or a ComfyUI text_encoders .safetensors file), bf16, fp16 or fp32")
     q.add_argument("target", help="the file to write: .safetensors for fp8 / int8 (ComfyUI mixed precision), .gguf "
-                                  "for q8_0. Written under a temporary name and renamed when complete: an existing "
-                                  "file is replaced only by a finished one")
-    q.add_argument("--format", required=True, choices=["q8_0", "fp8", "int8"], help="the quantisation")
+                                  "for q8_0 / q4_k (a text encoder's vision tower goes to mmproj-<name>.gguf beside "
+                                  "it). Written under a temporary name and renamed when complete: an existing file is "
+                                  "replaced only by a finished one")
+    q.add_argument("--format", required=True, choices=["q8_0", "q4_k", "fp8", "int8"], help="the quantisation")
+    q.add_argument("--component", choices=["transformer", "text_encoder"], default="transformer",
+                   help="what SRC is (default: transformer)")
+    q.add_argument("--layer", type=int, help="text encoder only: keep decoder layers below this one (default 50, "
+                                             "what H3 reads)")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
     g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps. Beyond 15 s "
@@ -576,14 +582,20 @@ def quantize(args, say=print, outputs: dict | None = None) -> Path:
     (filled in here) lets an interrupt say that DST is unchanged."""
     from ..checkpoints.quantiser import quantise_checkpoint
 
+    component = getattr(args, "component", "transformer")
+    layer = getattr(args, "layer", None)
+    if layer is not None and component != "text_encoder":
+        raise CliError("--layer applies to --component text_encoder only; leave it out for a transformer.")
     target = Path(args.target).expanduser()
     before = _identity(target)
     if outputs is not None:
         outputs.update(path=target, before=before)
     try:
-        written = quantise_checkpoint(args.source, target, args.format)
+        written = quantise_checkpoint(args.source, target, args.format, component=component,
+                                      **({} if layer is None else {"layer": layer}))
     except H3Error as exc:
-        raise CliError(str(exc).replace("format=", "--format ")) from None
+        raise CliError(str(exc).replace("format=", "--format ").replace("layer=", "--layer ")
+                       .replace("component=", "--component ")) from None
     replaced = "; replaced the file that was there" if before is not None else ""
     say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format}{replaced})")
     return written

@@ -6,10 +6,14 @@ written and dropped: the process never holds more than one parameter of the mode
 
 * `fp8`: ComfyUI mixed precision `float8_e4m3fn` (per-tensor `weight_scale`, `comfy_quant` JSON), a `.safetensors`;
 * `int8`: ComfyUI mixed precision `int8_tensorwise` with per-row scales, a `.safetensors`;
-* `q8_0`: GGUF Q8_0 (ComfyUI-GGUF's names: the state-dict keys), a `.gguf`.
+* `q8_0`: GGUF Q8_0 (ComfyUI-GGUF's names: the state-dict keys), a `.gguf`;
+* `q4_k`: GGUF Q4_K (the same names; our own quantiser, `kquants`: gguf's package has none), a `.gguf`.
+
+`--component text_encoder` is `text_encoder_quantiser` (the same formats, ComfyUI's and llama.cpp's text-encoder
+layouts), sharing the writers below.
 
 Quantised are the 2-D matrices of the transformer blocks and of the text refiner, by comfy-kitchen's and gguf's own
-quantisers; every other tensor (norms, biases, the fp32 islands) is written as stored, so the file runs at the
+quantisers (and ours for Q4_K); every other tensor (norms, biases, the fp32 islands) is written as stored, so the file runs at the
 loader's default dtype whatever the source's (fp32, fp16 or bf16). The file is written under a hidden staging name
 in DST's folder (`.NAME.PID.partial`, as generate's outputs), synced to disk and renamed over DST when complete: a
 failed or interrupted run leaves no partial file and the file already at DST untouched; a complete one replaces it.
@@ -22,6 +26,7 @@ import math
 import os
 import tempfile
 from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,19 +39,19 @@ from ..models.dit import RotaryEmbedding3D
 from .dit_loader import COMFY_PREFIX, _expected_tensors, resolve_dit_checkpoint, target_dtype
 from .quantised import LARGEST_WEIGHT, gguf_package, kitchen_eager
 
-QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf"}
+QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf", "q4_k": ".gguf"}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8"}
-Q8_0_BLOCK = 32
+GGUF_BLOCK = {"q8_0": 32, "q4_k": 256}  # values per block (ggml's Q8_0, Q4_K)
 
 
 def _quantised(name: str, shape: tuple[int, ...], fmt: str) -> bool:
     if len(shape) != 2 or not name.endswith(".weight") or not name.startswith(("blocks.", "token_refiner.blocks.")):
         return False
-    return fmt != "q8_0" or shape[1] % Q8_0_BLOCK == 0
+    return fmt not in GGUF_BLOCK or shape[1] % GGUF_BLOCK[fmt] == 0
 
 
-def _check_paths(source: Path, target: Path, fmt: str) -> None:
+def check_paths(source: Path, target: Path, fmt: str) -> None:
     """Everything about the arguments that can be known before reading: the format, the target's suffix, and that
     its folder exists and can be written (a file is created and removed there)."""
     if fmt not in QUANTISE_FORMATS:
@@ -71,20 +76,20 @@ def _check_paths(source: Path, target: Path, fmt: str) -> None:
                       "write.") from None
 
 
-def _write_error(target: Path, exc: OSError, written: int) -> H3Error:
+def write_error(target: Path, exc: OSError, written: int) -> H3Error:
     """One message for a failed write of `written` bytes."""
     kept = "; the file already there is unchanged" if target.exists() else ""
     return H3Error(f"{target}: could not write the quantised file: {write_failure(exc, target.parent, written)}. "
                    f"Nothing was written{kept}.")
 
 
-def _sync(path: Path) -> None:
+def sync_file(path: Path) -> None:
     """The file's bytes on disk before it is renamed into place (a crash then leaves the old file or the new one)."""
     with open(path, "rb+") as handle:
         os.fsync(handle.fileno())
 
 
-def _sync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
     """The rename itself on disk (POSIX; Windows cannot open a folder, and renames durably)."""
     try:
         handle = os.open(folder, os.O_RDONLY)
@@ -98,7 +103,7 @@ def _sync_folder(folder: Path) -> None:
         os.close(handle)
 
 
-def _checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
+def checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A matrix about to be quantised: finite and within `LARGEST_WEIGHT` (what a quantised file may hold; its
     loader refuses larger scales), so that a corrupt source is named here, not the file written from it."""
     amax = float(tensor.abs().amax())  # NaN when any value is
@@ -110,20 +115,35 @@ def _checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> to
     return tensor
 
 
+QUANTISE_COMPONENTS = ("transformer", "text_encoder")
+
+
 def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
-                        log: Callable[[str], None] | None = None) -> Path:
+                        component: str = "transformer", log: Callable[[str], None] | None = None,
+                        **text_encoder_options) -> Path:
     """Write `target`, the transformer at `source` (any layout, unquantised, fp32, fp16 or bf16) with its block
-    matrices quantised as `fmt` ("fp8", "int8" or "q8_0"); returns `target`. A file already at `target` is replaced
-    only by a complete one. See the module docstring."""
+    matrices quantised as `fmt` ("fp8", "int8", "q8_0" or "q4_k"); returns `target`. A file already at `target` is
+    replaced only by a complete one. See the module docstring. `component="text_encoder"`: the text encoder
+    (`text_encoder_quantiser.quantise_text_encoder`, which takes `layer=` and `config=`)."""
+    if component not in QUANTISE_COMPONENTS:
+        raise H3Error(f"component={component!r} is not a component h3-stream quantises; use one of "
+                      f"{', '.join(QUANTISE_COMPONENTS)}.")
+    if component == "text_encoder":
+        from .text_encoder_quantiser import quantise_text_encoder
+
+        return quantise_text_encoder(source, target, fmt, log=log, **text_encoder_options)
+    if text_encoder_options:
+        raise H3Error(f"{', '.join(f'{k}=' for k in text_encoder_options)}: applies to component='text_encoder' "
+                      "only.")
     source, target = Path(source).expanduser(), Path(target).expanduser()
-    _check_paths(source, target, fmt)
+    check_paths(source, target, fmt)
     ckpt = resolve_dit_checkpoint(source)
     if ckpt.quantised:
         key = next(iter(ckpt.quantised))
         raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
                               "the bf16 release instead.", path=source, key=key)
-    kitchen = kitchen_eager(source, "(output)") if fmt != "q8_0" else None
-    gguf = gguf_package(target) if fmt == "q8_0" else None
+    kitchen = kitchen_eager(source, "(output)") if fmt not in GGUF_TYPES else None
+    gguf = gguf_package(target) if fmt in GGUF_TYPES else None
     shapes = _expected_tensors(ckpt.config)
     plan = []  # (parameter name, spec, shape, stored dtype, quantised?)
     # rope.inv_freq: our loaders recompute it from rope_theta, but ComfyUI's model detection reads its length, so
@@ -152,21 +172,26 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
                     raise CheckpointError(f"{source}: could not read '{spec.name}' ({exc.strerror or exc}); check "
                                           "the disk or copy the checkpoint again.", path=source,
                                           key=spec.name) from None
-                return _checked_for_quantising(source, spec.name, tensor) if quantise else tensor
+                return checked_for_quantising(source, spec.name, tensor) if quantise else tensor
 
-            if fmt == "q8_0":
-                _write_gguf(staging, plan, value, gguf, say)
+            if fmt in GGUF_TYPES:
+                stored = GGUF_TYPES[fmt]
+                write_gguf(staging, "minimax_h3", [
+                    GGUFTensor(name, shape, stored if quantise else dtype,
+                               lambda spec=spec, dtype=dtype, shape=shape, quantise=quantise:
+                               value(spec, dtype, shape, quantise))
+                    for name, spec, shape, dtype, quantise in plan], gguf, say)
             else:
-                _write_safetensors(staging, plan, value, fmt, kitchen, say)
-        _sync(staging)
+                write_safetensors(staging, plan, value, fmt, kitchen, say)
+        sync_file(staging)
         os.replace(staging, target)
     except BaseException as exc:  # a failure, Ctrl-C or SIGTERM: no partial file, the old one untouched
         written = staging.stat().st_size if staging.exists() else 0
         staging.unlink(missing_ok=True)
         if isinstance(exc, OSError):
-            raise _write_error(target, exc, written) from None
+            raise write_error(target, exc, written) from None
         raise
-    _sync_folder(target.parent)
+    sync_folder(target.parent)
     return target
 
 
@@ -177,10 +202,10 @@ def _comfy_quant(fmt: str) -> bytes:
     return json.dumps({"format": "float8_e4m3fn" if fmt == "fp8" else "int8_tensorwise"}).encode("utf-8")
 
 
-def _safetensors_entries(plan, fmt):
+def _safetensors_entries(plan, fmt, key_of):
     """(key, dtype, shape) of every output tensor, in file order, and the parameter each belongs to."""
     for name, spec, shape, dtype, quantise in plan:
-        key = COMFY_PREFIX + name
+        key = key_of(name)
         if not quantise:
             yield key, dtype, shape, name, "plain"
             continue
@@ -190,8 +215,11 @@ def _safetensors_entries(plan, fmt):
         yield f"{layer}.comfy_quant", torch.uint8, (len(_comfy_quant(fmt)),), name, "config"
 
 
-def _write_safetensors(path: Path, plan, value, fmt: str, kitchen, say) -> None:
-    entries = list(_safetensors_entries(plan, fmt))
+def write_safetensors(path: Path, plan, value, fmt: str, kitchen, say,
+                      key_of: Callable[[str], str] = lambda name: COMFY_PREFIX + name) -> None:
+    """Write `plan` ((parameter name, spec, shape, dtype, quantise?) in file order) as a ComfyUI mixed-precision
+    .safetensors, each parameter's stored key `key_of(name)`, the ones marked quantised as `fmt` by comfy-kitchen."""
+    entries = list(_safetensors_entries(plan, fmt, key_of))
     header, offset = {"__metadata__": {"format": "pt", "h3_stream_quantised": fmt}}, 0
     for key, dtype, shape, _, _ in entries:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -232,41 +260,94 @@ def _write_safetensors(path: Path, plan, value, fmt: str, kitchen, say) -> None:
 
 # ---- GGUF ------------------------------------------------------------------------------------------------------
 
-
-def _write_gguf(path: Path, plan, value, gguf, say) -> None:
-    writer = gguf.GGUFWriter(str(path), "minimax_h3")
-    try:
-        _write_gguf_tensors(writer, plan, value, gguf, say)
-    finally:
-        writer.close()  # also on a failure: the staging file is removed after, and Windows cannot remove it open
+GGUF_TYPES = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
+# Values quantised per call of a row quantiser: bounds its scratch (gguf's NumPy Q8_0 makes several float32 copies)
+# whatever the tensor's size, e.g. the text encoder's 778-million-value embedding.
+_ROWS_CHUNK_VALUES = 1 << 24
 
 
-def _write_gguf_tensors(writer, plan, value, gguf, say) -> None:
+@dataclass
+class GGUFTensor:
+    """One tensor of a GGUF file being written: `read()` gives its logical value (torch order `shape`), stored as
+    `stored` (a ggml quantisation name, "Q8_0" / "Q4_K", or a torch float dtype kept as is)."""
+
+    name: str
+    shape: tuple[int, ...]
+    stored: str | torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
+def gguf_block(gguf, stored: str) -> tuple[int, int]:
+    """(values, bytes) of a block of the ggml type `stored`."""
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[stored]]
+
+
+def gguf_suits(gguf, stored: str, shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of torch-order `shape` can be stored as `stored`: a matrix of rows of whole blocks."""
+    return len(shape) == 2 and shape[1] % gguf_block(gguf, stored)[0] == 0
+
+
+def quantize_rows(gguf, tensor: torch.Tensor, stored: str):
+    """The ggml blocks (NumPy uint8, one row of blocks per row) of the matrix `tensor`, a few rows at a time."""
+    import numpy as np
+
+    from .kquants import quantize_q4_k
+
+    rows, cols = tensor.shape
+    block, size = gguf_block(gguf, stored)
+    out = np.empty((rows, cols // block * size), dtype=np.uint8)
+    step = max(1, _ROWS_CHUNK_VALUES // max(cols, 1))
+    qtype = gguf.GGMLQuantizationType[stored]
+    for start in range(0, rows, step):
+        chunk = tensor[start:start + step]
+        if stored == "Q4_K":
+            out[start:start + step] = quantize_q4_k(chunk).numpy()
+        else:
+            out[start:start + step] = gguf.quants.quantize(chunk.float().numpy(), qtype)
+    return out
+
+
+def write_gguf(path: Path, arch: str, tensors: list[GGUFTensor], gguf, say, metadata=(),
+               add_metadata=None) -> None:
+    """Write `tensors` to a GGUF file of architecture `arch`: the header, `metadata` and every tensor's info first,
+    then each tensor read, converted, written and dropped in turn."""
     import numpy as np
 
     types = gguf.GGMLQuantizationType
-    block, type_size = gguf.GGML_QUANT_SIZES[types.Q8_0]
-    for name, _, shape, dtype, quantise in plan:
-        if quantise:
-            rows, cols = shape
-            writer.add_tensor_info(name, (rows, cols // block * type_size), np.dtype(np.uint8),
-                                   rows * cols // block * type_size, raw_dtype=types.Q8_0)
-        elif dtype == torch.bfloat16:
-            writer.add_tensor_info(name, shape, np.dtype(np.uint16), math.prod(shape) * 2, raw_dtype=types.BF16)
-        else:
-            np_dtype = np.dtype(np.float16 if dtype == torch.float16 else np.float32)
-            writer.add_tensor_info(name, shape, np_dtype, math.prod(shape) * np_dtype.itemsize)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, spec, shape, dtype, quantise in plan:
-        tensor = value(spec, dtype, shape, quantise)
-        if quantise:
-            array = gguf.quants.quantize(tensor.float().numpy(), types.Q8_0)
-        elif dtype == torch.bfloat16:
-            array = tensor.contiguous().view(torch.int16).numpy().view(np.uint16)
-        else:
-            array = tensor.to(torch.float16 if dtype == torch.float16 else torch.float32).contiguous().numpy()
-        writer.write_tensor_data(array)
-        say(f"{name}: {'quantised as q8_0' if quantise else 'kept as stored'}")
-        del tensor, array
+    writer = gguf.GGUFWriter(str(path), arch)
+    try:
+        if add_metadata is not None:
+            add_metadata(writer, metadata)
+        quantised = {t.stored for t in tensors if isinstance(t.stored, str)}
+        if quantised:  # what llama.cpp writes in the files it quantises
+            file_type = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S}
+            writer.add_file_type(file_type["Q4_K" if "Q4_K" in quantised else "Q8_0"])
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        for t in tensors:
+            if isinstance(t.stored, str):
+                rows, cols = t.shape
+                block, size = gguf_block(gguf, t.stored)
+                writer.add_tensor_info(t.name, (rows, cols // block * size), np.dtype(np.uint8),
+                                       rows * cols // block * size, raw_dtype=types[t.stored])
+            elif t.stored == torch.bfloat16:
+                writer.add_tensor_info(t.name, t.shape, np.dtype(np.uint16), math.prod(t.shape) * 2,
+                                       raw_dtype=types.BF16)
+            else:
+                np_dtype = np.dtype(np.float16 if t.stored == torch.float16 else np.float32)
+                writer.add_tensor_info(t.name, t.shape, np_dtype, math.prod(t.shape) * np_dtype.itemsize)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            tensor = t.read()
+            if isinstance(t.stored, str):
+                array = quantize_rows(gguf, tensor, t.stored)
+            elif t.stored == torch.bfloat16:
+                array = tensor.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+            else:
+                array = tensor.to(t.stored).contiguous().numpy()
+            writer.write_tensor_data(array)
+            say(f"{t.name}: {'quantised as ' + t.stored.lower() if isinstance(t.stored, str) else 'kept as stored'}")
+            del tensor, array
+    finally:
+        writer.close()  # also on a failure: the staging file is removed after, and Windows cannot remove it open
