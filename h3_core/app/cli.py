@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -152,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what SRC is (default: transformer)")
     q.add_argument("--layer", type=int, help="text encoder only: keep decoder layers below this one (default 50, "
                                              "what H3 reads)")
+    q.add_argument("--config", type=Path, metavar="FILE", help="text encoder only: the config.json of a single-file "
+                   "text encoder that is not Qwen3-VL-32B (the ComfyUI repack carries none)")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
     g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps. Beyond 15 s "
@@ -583,21 +586,27 @@ def quantize(args, say=print, outputs: dict | None = None) -> Path:
     from ..checkpoints.quantiser import quantise_checkpoint
 
     component = getattr(args, "component", "transformer")
-    layer = getattr(args, "layer", None)
-    if layer is not None and component != "text_encoder":
-        raise CliError("--layer applies to --component text_encoder only; leave it out for a transformer.")
+    options = {key: getattr(args, key, None) for key in ("layer", "config")}
+    options = {key: value for key, value in options.items() if value is not None}
+    if options and component != "text_encoder":
+        raise CliError(f"--{next(iter(options))} applies to --component text_encoder only; leave it out for a "
+                       "transformer.")
     target = Path(args.target).expanduser()
     before = _identity(target)
     if outputs is not None:
         outputs.update(path=target, before=before)
     try:
-        written = quantise_checkpoint(args.source, target, args.format, component=component,
-                                      **({} if layer is None else {"layer": layer}))
+        written = quantise_checkpoint(args.source, target, args.format, component=component, **options)
     except H3Error as exc:
-        raise CliError(str(exc).replace("format=", "--format ").replace("layer=", "--layer ")
-                       .replace("component=", "--component ")) from None
+        raise CliError(re.sub(r"\b(format|layer|component|config)= ?", r"--\1 ", str(exc))) from None
     replaced = "; replaced the file that was there" if before is not None else ""
     say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format}{replaced})")
+    if component == "text_encoder" and written.suffix == ".gguf":
+        from ..checkpoints.text_encoder_quantiser import mmproj_path
+
+        vision = mmproj_path(written)
+        if vision.is_file():
+            say(f"wrote {vision} ({vision.stat().st_size / 2**20:.1f} MiB: the vision tower, beside it)")
     return written
 
 

@@ -76,6 +76,21 @@ def check_paths(source: Path, target: Path, fmt: str) -> None:
                       "write.") from None
 
 
+# The loaders' words for a file of another component, and the quantiser's.
+_OTHER_COMPONENT = {"pass it to load_dit instead.": "quantise it with component=transformer.",
+                    "pass it to load_text_encoder instead.": "quantise it with component=text_encoder."}
+
+
+def for_quantising(exc: CheckpointError) -> CheckpointError:
+    """`exc` with a loader's advice on a file of another component ("pass it to load_dit instead") in the
+    quantiser's words (component=, which the CLI spells --component); else `exc` itself."""
+    text = str(exc)
+    for theirs, ours in _OTHER_COMPONENT.items():
+        if text.endswith(theirs):
+            return CheckpointError(text[: -len(theirs)] + ours, path=exc.path, key=exc.key)
+    return exc
+
+
 def write_error(target: Path, exc: OSError, written: int) -> H3Error:
     """One message for a failed write of `written` bytes."""
     kept = "; the file already there is unchanged" if target.exists() else ""
@@ -137,7 +152,10 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
                       "only.")
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target, fmt)
-    ckpt = resolve_dit_checkpoint(source)
+    try:
+        ckpt = resolve_dit_checkpoint(source)
+    except CheckpointError as exc:
+        raise for_quantising(exc) from None
     if ckpt.quantised:
         key = next(iter(ckpt.quantised))
         raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
