@@ -121,7 +121,9 @@ def sync_folder(folder: Path) -> None:
 def checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A matrix about to be quantised: finite and within `LARGEST_WEIGHT` (what a quantised file may hold; its
     loader refuses larger scales), so that a corrupt source is named here, not the file written from it."""
-    amax = float(tensor.abs().amax())  # NaN when any value is
+    flat, step = tensor.reshape(-1), _ROWS_CHUNK_VALUES  # a chunk at a time: no copy of the whole matrix
+    amax = max((float(flat[i:i + step].abs().amax()) for i in range(0, flat.numel(), step)), default=0.0,
+               key=lambda v: math.inf if math.isnan(v) else v)  # NaN when any value is
     if not math.isfinite(amax) or amax > LARGEST_WEIGHT:
         what = "NaN or infinite values" if not math.isfinite(amax) else f"values up to {amax:.4g}"
         raise CheckpointError(f"{source}: tensor '{name}' holds {what}; a trained weight is finite and far below "
@@ -270,7 +272,7 @@ def write_safetensors(path: Path, plan, value, fmt: str, kitchen, say,
                 say(f"{name}: {'quantised as ' + fmt if role == 'weight' else 'kept as stored'}")
             data = (torch.tensor(list(_comfy_quant(fmt)), dtype=torch.uint8) if role == "config" else
                     current[role])
-            out.write(data.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            out.write(data.contiguous().reshape(-1).view(torch.uint8).numpy())  # its buffer, not a copy
             del data
             if role in ("plain", "config"):
                 current = {}
