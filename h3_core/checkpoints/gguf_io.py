@@ -23,6 +23,8 @@ from ..runtime.file_reads import FileIdentity, FileSegment, tag_segment
 from .quantised import gguf_package
 
 GGUF_SUFFIX = ".gguf"
+# Metadata arrays longer than this (token lists) are not kept in `GGUFFile.metadata`.
+METADATA_ARRAY_LIMIT = 4096
 
 
 class GGUFFile:
@@ -45,12 +47,14 @@ class GGUFFile:
         plain = {types.F32: torch.float32, types.F16: torch.float16, types.BF16: torch.bfloat16,
                  types.F64: torch.float64, types.I8: torch.int8, types.I16: torch.int16, types.I32: torch.int32,
                  types.I64: torch.int64}
-        self.metadata: dict[str, str] = {}
-        arch = reader.fields.get("general.architecture")
-        if arch is not None:
+        # The small metadata values (hyper-parameters, the architecture); the tokenizer's long arrays are skipped.
+        self.metadata: dict[str, object] = {}
+        for name, value in reader.fields.items():
+            if name.startswith(("GGUF.", "tokenizer.")) or len(value.data) > METADATA_ARRAY_LIMIT:
+                continue
             try:
-                self.metadata["general.architecture"] = bytes(arch.parts[arch.data[0]]).decode("utf-8", "replace")
-            except (IndexError, TypeError):
+                self.metadata[name] = value.contents()
+            except (IndexError, TypeError, ValueError, UnicodeDecodeError):
                 pass
         self._check_layout(reader)
         # key -> (dtype, torch shape, byte offset, nbytes, ggml type or None, stored (byte) shape, type name)

@@ -7,6 +7,9 @@
 * **comfy** single `.safetensors` (ComfyUI repack, truncated to 50 layers): `model.layers.N.*`,
   `model.embed_tokens.weight`, `visual.*`, optionally nested under `text_encoders.qwen3vl_32b.transformer.`; no
   config, so the sizes are read from the shapes and the rest is Qwen3-VL-32B's unless `config=` says otherwise.
+* **gguf**: a published llama.cpp conversion, any file name: the language `.gguf` (architecture `qwen3vl`) and, for
+  keyframes and references, its vision projector (`mmproj-*.gguf`, architecture `clip`) found beside it; the config
+  comes from their metadata (`text_encoder_gguf`, which documents the layout).
 
 Only the embeddings, decoder layers below `layer` and the vision tower are ever read: the upper layers, the final
 norm and `lm_head` are recognised and left untouched in the memory map. Every required key, shape and dtype is checked
@@ -38,7 +41,9 @@ from .checkpoint import (QUANTISED_NEEDS_FORMAT, Checkpoint, HeaderSizes, Weight
                          compute_dtype, count_indexed, not_a_checkpoint, open_folder_files, read_json, resolve_source,
                          shape_reader)
 from .placement import attach_layerwise, residency_manager, set_tensor
+from .gguf_io import GGUF_SUFFIX
 from .quantised import detect_quantised
+from .text_encoder_gguf import missing_vision_message, resolve_gguf_text_encoder
 from .safetensors_io import SafetensorsFile
 
 HF_CLASS_NAME = "Qwen3VLForConditionalGeneration"
@@ -162,11 +167,22 @@ def _config_from_option(config, path: Path) -> TextEncoderConfig:
         raise CheckpointError(f"{source}: {exc}", path=source) from None
 
 
-def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, config=None) -> Checkpoint:
-    """Find the layout of `source`, read its config and open (but do not read) the tensors read up to `layer`."""
+def resolve_text_encoder_checkpoint(source: str | os.PathLike, layer: int = 50, config=None,
+                                    vision=None) -> Checkpoint:
+    """Find the layout of `source`, read its config and open (but do not read) the tensors read up to `layer`.
+    `vision` is for a GGUF language file only: its mmproj file (None: found beside it; False: text only)."""
+    gguf_path = Path(source).expanduser()
+    if gguf_path.suffix.lower() == GGUF_SUFFIX and gguf_path.is_file():
+        if config is not None and not isinstance(config, TextEncoderConfig):
+            config = _config_from_option(config, gguf_path)
+        return resolve_gguf_text_encoder(gguf_path, layer, config, vision)
+    if vision is not None:
+        raise H3Error(f"vision={vision!r}: only a GGUF text encoder takes its vision projector (mmproj) as a "
+                      "separate file; the other layouts hold the vision tower with the language model.")
     path, layout, files, raw_config = resolve_source(
-        source, "Give the text_encoder/ folder of an H3 download (or its root) or a ComfyUI text_encoders "
-        ".safetensors file.", _open_single_file, lambda folder: _open_folder(folder, layer))
+        source, "Give the text_encoder/ folder of an H3 download (or its root), a ComfyUI text_encoders "
+        ".safetensors file or a Qwen3-VL .gguf (architecture 'qwen3vl').", _open_single_file,
+        lambda folder: _open_folder(folder, layer))
     keys = set(files)
     language_prefix, vision_prefix = _find_prefixes(keys)
     if language_prefix is None:
@@ -367,8 +383,8 @@ def _find_processor(ckpt: Checkpoint, tokenizer: H3Tokenizer, processor) -> tupl
                 return ImageProcessorConfig.from_dict(raw), candidate
             except H3Error as exc:
                 raise CheckpointError(f"{candidate}: {exc}", path=candidate) from None
-    # No processor folder: the released Qwen3-VL values.
-    return ImageProcessorConfig(), None
+    # No processor folder: what the checkpoint says (a GGUF mmproj's metadata), else the released Qwen3-VL values.
+    return ckpt.defaults.get("processor", ImageProcessorConfig()), None
 
 
 # ---- building the module ---------------------------------------------------------------------------------------------
@@ -387,7 +403,7 @@ def _offloaded(name: str) -> bool:
 def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int = 50, device="cpu",
                       dtype: torch.dtype | None = None, residency: Residency | str = Residency.RESIDENT,
                       prefetch: int | None = None, resident_blocks: int | list[int] | None = None,
-                      config=None, processor=None, chunk_size: int | None = None) -> TextEncoder:
+                      config=None, processor=None, chunk_size: int | None = None, vision=None) -> TextEncoder:
     """H3 Loader's Qwen3-VL text encoder, truncated after decoder layer `layer` (H3: 50).
 
     `source`: the official `text_encoder/` folder (or the repo root), a partition's `text_encoder/` (or the
@@ -406,6 +422,10 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     `resident_blocks` (the first N layers, or indices) stay on the device. The token embedding and the vision tower
     are materialised only for their phase of each forward ("embeddings", "vision"). `encoder.close()` releases it.
 
+    `vision` — for a GGUF language file: its vision projector (`mmproj-*.gguf`), found beside it when omitted (of
+    several, the one named most like the language file); `False` loads it text-only. Without one the encoder
+    serves text-only prompts and keyframes or references are one error saying where to put the mmproj.
+
     Returns a `TextEncoder`; `encoder.encode(prompt, images=())` gives `(states [L, hidden], tags [L])`.
     """
     chunk_size = check_chunk_size(chunk_size)  # checked before any reading
@@ -413,7 +433,7 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     device = torch.device(device)
     manager = residency_manager("text_encoder", device, residency, prefetch, resident_blocks)
     layerwise = manager is not None
-    ckpt = resolve_text_encoder_checkpoint(source, layer, config)
+    ckpt = resolve_text_encoder_checkpoint(source, layer, config, vision)
     h3_tokenizer = _find_tokenizer(ckpt, tokenizer)
     vocab = ckpt.config.language.vocab_size
     if H3_EXTRA_FIRST_ID + len(H3_EXTRA_TOKENS) > vocab:
@@ -458,4 +478,6 @@ def load_text_encoder(source: str | os.PathLike, *, tokenizer=None, layer: int =
     model.image_processor = image_processor
     model.checkpoint_layout = ckpt.layout
     model.checkpoint_files = ckpt.paths
+    if ckpt.layout == "gguf" and ckpt.config.vision is None:
+        model.missing_vision = missing_vision_message(ckpt.source)
     return model

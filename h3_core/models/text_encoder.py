@@ -390,6 +390,7 @@ class TextEncoder(nn.Module):
         self.language_model = LanguageModel(config.language, layer)
         self.vision_tower = VisionTower(config.vision) if config.vision is not None else None
         self.tokenizer = None  # an H3Tokenizer, attached by the loader
+        self.missing_vision: str | None = None  # why a GGUF language file has no vision tower (the loader's words)
         self.image_processor = ImageProcessorConfig()
         # Phase-scoped weights ("embeddings": the token table, "vision": the vision tower) when loaded layerwise.
         self.weight_phases = PhaseScopedWeights()
@@ -421,8 +422,7 @@ class TextEncoder(nn.Module):
         visual_rows, deepstack = None, ()
         if images:
             if self.vision_tower is None:
-                raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
-                              "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
+                raise self.no_vision_error("keyframe images")
             with self.weight_phases.phase("vision"):
                 merged, deepstack = self.vision_tower(images, check_interrupt)
             visual_rows = torch.cat([torch.arange(s, s + n) for s, n in image_spans]).to(device)
@@ -435,6 +435,14 @@ class TextEncoder(nn.Module):
         else:
             positions = text_positions(ids.numel(), device)
         return self.language_model(x, positions, visual_rows, deepstack, check_interrupt)[0]
+
+    def no_vision_error(self, what: str) -> H3Error:
+        """The one error for images given to an encoder without a vision tower; a GGUF language file's
+        (`missing_vision`, set by the loader) says where its mmproj goes."""
+        if self.missing_vision:
+            return H3Error(f"cannot encode {what}: {self.missing_vision}")
+        return H3Error(f"this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot encode "
+                       f"{what}. Use a checkpoint that includes the Qwen3-VL vision tower.")
 
     def close(self, restore: bool = True) -> None:
         """Drop the residency manager and phase-scoped weights: every streamed parameter gets its host tensor back
@@ -457,8 +465,7 @@ class TextEncoder(nn.Module):
                           "tokenizer=<tokenizer.json>).")
         images = _as_image_list(images)
         if images and self.vision_tower is None:
-            raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
-                          "encode keyframe images. Use a checkpoint that includes the Qwen3-VL vision tower.")
+            raise self.no_vision_error("keyframe images")
         prepared = [prepare_image(image, self.image_processor, index=i + 1) for i, image in enumerate(images)]
         presentation = self.tokenizer.present(prompt, [image.num_tokens for image in prepared])
         states = self(torch.tensor(presentation.token_ids), prepared, presentation.image_spans, check_interrupt)
@@ -481,8 +488,7 @@ class TextEncoder(nn.Module):
         for entry in references:
             kind = entry[0]
             if kind in ("image", "video") and self.vision_tower is None:
-                raise H3Error("this text-encoder checkpoint has no vision tower ('visual.*' weights), so it cannot "
-                              f"encode reference {kind}s. Use a checkpoint that includes the Qwen3-VL vision tower.")
+                raise self.no_vision_error(f"reference {kind}s")
             if kind == "image":
                 counts["image"] += 1
                 image = prepare_image(entry[1], self.image_processor, index=counts["image"])
