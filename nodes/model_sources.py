@@ -58,23 +58,23 @@ def h3_folder_choices() -> list[str]:
     return [NONE] + sorted(names)
 
 
-def gguf_files(key: str) -> list[str]:
+def gguf_files(key: str, keep=None) -> list[str]:
     """`.gguf` files of a standard model folder, named as ComfyUI names its files (relative, '/'): ComfyUI's own
-    listing leaves them out (not one of its torch extensions)."""
+    listing leaves them out (not one of its torch extensions). `keep(full path)`: which to list (None: all)."""
     found = set()
     for root in folder_paths.get_folder_paths(key):
         for folder, _, names in os.walk(root, followlinks=True):
             found.update(os.path.relpath(os.path.join(folder, n), root).replace(os.sep, "/") for n in names
-                         if n.lower().endswith(".gguf"))
+                         if n.lower().endswith(".gguf") and (keep is None or keep(os.path.join(folder, n))))
     return sorted(found)
 
 
-def file_choices(key: str, prefix: str, *, gguf: bool = False) -> list[str]:
+def file_choices(key: str, prefix: str, *, gguf: bool = False, gguf_keep=None) -> list[str]:
     """Files of one standard model folder, the H3 ones (by the repack's naming) first; quantised repacks
     (`..._int8_convrot`, `..._fp8_scaled`, `..._nvfp4`) are listed like the others, and with `gguf` the `.gguf`
-    files too."""
+    files too (those `gguf_keep(full path)` accepts)."""
     files = [name for name in folder_paths.get_filename_list(key) if name.endswith((".safetensors", ".sft"))]
-    files += gguf_files(key) if gguf else []
+    files += gguf_files(key, gguf_keep) if gguf else []
     h3 = sorted(name for name in files if os.path.basename(name).startswith(prefix))
     return [NONE] + h3 + sorted(set(files) - set(h3))
 
@@ -84,7 +84,11 @@ def diffusion_model_choices() -> list[str]:
 
 
 def text_encoder_choices() -> list[str]:
-    return file_choices("text_encoders", "qwen3vl")
+    """The text encoders: the repack's files and the published Qwen3-VL GGUF language files (architecture
+    `qwen3vl` in their header, whatever their name); their mmproj vision files are found beside them, not listed."""
+    from h3_core.checkpoints.text_encoder_gguf import gguf_kind
+
+    return file_choices("text_encoders", "qwen3vl", gguf=True, gguf_keep=lambda path: gguf_kind(path) == "text")
 
 
 def video_vae_choices() -> list[str]:
@@ -197,6 +201,10 @@ def fingerprint(source: str, *, h3_folder: str = NONE, diffusion_model: str = NO
                           ("vae", audio_vae)):
             full = folder_paths.get_full_path(key, name) if name and name != NONE else None
             paths.append(Path(full) if full else None)
+            if key == "text_encoders" and full and full.lower().endswith(".gguf"):
+                from h3_core.checkpoints.text_encoder_gguf import find_mmproj
+
+                paths.append(find_mmproj(Path(full)))  # its vision file, found beside it
     stamps = []
     for path in paths:
         if path is None or not path.exists():

@@ -21,6 +21,7 @@ import torch
 from ..checkpoints.audio_vae_loader import load_audio_vae
 from ..checkpoints.dit_loader import load_dit
 from ..checkpoints.lora_loader import has_loras, set_loras
+from ..checkpoints.text_encoder_gguf import vision_missing
 from ..checkpoints.text_encoder_loader import load_text_encoder
 from ..checkpoints.video_vae_loader import load_video_vae
 from ..components import COMPONENTS
@@ -375,6 +376,8 @@ class H3Pipeline:
         if references:
             self.check_ref2va_transformer()
         keyframes = prepare_keyframes(request.keyframe_images, request.width, request.height)
+        if keyframes or (references and any(r.kind in ("image", "video") for r in references.references)):
+            self.check_text_encoder_vision()
         self.enter_phase("text encode")
         encoder = self.component("text_encoder")
         tokens = len(encoder.tokenizer.tokenize(request.prompt))
@@ -658,6 +661,13 @@ class H3Pipeline:
         if cond.references and request.num_frames != encoded.num_frames:
             raise H3Error(f"{n.num_frames} {request.num_frames}: the references were cut to {encoded.num_frames} "
                           "frames when the prompt was encoded; sample that many, or encode again with this duration.")
+
+    def check_text_encoder_vision(self) -> None:
+        """Keyframes and reference images / videos need the vision tower: a GGUF language file without its mmproj
+        beside it is refused here, before the encoder loads (its headers only)."""
+        missing = vision_missing(self.sources.text_encoder)
+        if missing:
+            raise H3Error(missing)
 
     def check_ref2va_transformer(self) -> None:
         """References need the Ref2VA transformer; the FL2VA one would ignore what they mean."""

@@ -73,6 +73,21 @@ def _comfy_file(folder: Path, pattern: str, what: str, exclude=("pruned", "int8"
     return candidates[0]
 
 
+def _comfy_text_encoder(folder: Path) -> Path:
+    """The text encoder of a ComfyUI `text_encoders/` folder: the repack's file (`_comfy_file`), else a published
+    Qwen3-VL GGUF language file (architecture `qwen3vl` in its header, whatever its name; its mmproj is found beside
+    it by the loader), the first by name."""
+    try:
+        return _comfy_file(folder, "qwen3vl*minimax_h3*", "H3 text encoder")
+    except CheckpointError:
+        from ..checkpoints.text_encoder_gguf import gguf_kind
+
+        published = sorted(p for p in folder.glob("*.gguf") if p.is_file() and gguf_kind(p) == "text")
+        if published:
+            return published[0]
+        raise
+
+
 def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline: bool | None = None,
                   cache_dir: str | os.PathLike | None = None, hub_only: bool = False,
                   progress=None) -> ModelSources:
@@ -119,7 +134,7 @@ def resolve_model(model: str | os.PathLike, *, partition: str = "fl2va", offline
         te_folder = path / "text_encoders"
         return ModelSources(
             _comfy_file(path / "diffusion_models", f"minimax_h3*{partition}*.safetensors", "H3 transformer"),
-            _comfy_file(te_folder, "qwen3vl*minimax_h3*", "H3 text encoder"),
+            _comfy_text_encoder(te_folder),
             _comfy_file(path / "vae", "minimax_h3_video_vae*.safetensors", "H3 video VAE"),
             _comfy_file(path / "vae", "minimax_h3_audio_vae*.safetensors", "H3 audio VAE"),
             _first_existing(te_folder, ["tokenizer.json", "tokenizer"]), layer, path)
