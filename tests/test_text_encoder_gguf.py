@@ -521,3 +521,39 @@ def test_the_loader_node_lists_language_files_not_mmproj(setup, tmp_path):
     choices = model_sources.text_encoder_choices()
     assert "Qwen3-VL-32B-Instruct-Q4_K_M.gguf" in choices
     assert not any("mmproj" in c or "minimax_h3_fl2va" in c for c in choices)
+
+
+def test_a_published_tokenizer_section_is_stepped_over_exactly(setup, tmp_path):
+    """A published language file carries llama.cpp's tokenizer (151k tokens, types, merges): opening it reads the
+    same tensors at the same offsets as gguf's own reader, without decoding every token (seconds per open)."""
+    import time
+
+    from h3_core.checkpoints.gguf_io import GGUFFile
+
+    path = tmp_path / "with-tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3vl")
+    writer.add_embedding_length(256)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"tok{i}" for i in range(151936)])
+    writer.add_token_types([1] * 151936)
+    writer.add_token_merges([f"a{i} b{i}" for i in range(20000)])
+    writer.add_rope_dimension_sections([12, 10, 10, 0])
+    writer.add_tensor("token_embd.weight", np.arange(8 * 256, dtype=np.float32).reshape(8, 256))
+    writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(np.ones((256, 256), np.float32),
+                                                                   gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    started = time.perf_counter()
+    ours = GGUFFile(path)
+    elapsed = time.perf_counter() - started
+    theirs = gguf.GGUFReader(str(path))
+    assert elapsed < 2.0, elapsed  # gguf's reader alone: several seconds here
+    assert ours.metadata["qwen3vl.rope.dimension_sections"] == [12, 10, 10, 0]
+    assert ours.metadata["qwen3vl.embedding_length"] == 256
+    assert not any(k.startswith("tokenizer.") for k in ours.metadata)
+    for t in theirs.tensors:
+        assert ours._entries[t.name][2] == t.data_offset and ours.nbytes(t.name) == t.n_bytes
+    assert torch.equal(ours.tensor("token_embd.weight"), torch.arange(8 * 256, dtype=torch.float32).reshape(8, 256))

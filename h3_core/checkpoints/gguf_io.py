@@ -27,6 +27,48 @@ GGUF_SUFFIX = ".gguf"
 METADATA_ARRAY_LIMIT = 4096
 
 
+_READER_CLASS = None
+
+
+def _reader_class(gguf):
+    """gguf's `GGUFReader`, except that metadata arrays longer than `METADATA_ARRAY_LIMIT` (a published language
+    model's 151k tokens, types and merges) are stepped over instead of being split into one NumPy view per entry,
+    which takes seconds on every open; their fields keep no values (`GGUFFile` does not read them)."""
+    global _READER_CLASS
+    if _READER_CLASS is not None:
+        return _READER_CLASS
+    import sys
+
+    import numpy as np
+
+    array_type, string_type = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+    class Reader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == array_type:
+                item, length = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+                if int(length[0]) > METADATA_ARRAY_LIMIT:
+                    size = self._array_bytes(orig_offs + 12, int(item[0]), int(length[0]))
+                    if size is not None:
+                        return 12 + size, [item, length], [], [array_type, gguf.GGUFValueType(int(item[0]))]
+            return super()._get_field_parts(orig_offs, raw_type)
+
+        def _array_bytes(self, offset: int, item: int, length: int) -> int | None:
+            if item == string_type:
+                order = "big" if (self.byte_order == "S") == (sys.byteorder == "little") else "little"
+                view, start = memoryview(self.data), offset
+                for _ in range(length):
+                    offset += 8 + int.from_bytes(view[offset:offset + 8], order)
+                if offset > len(self.data):
+                    raise ValueError("a metadata array runs past the end of the file")
+                return offset - start
+            scalar = self.gguf_scalar_to_np.get(gguf.GGUFValueType(item))
+            return None if scalar is None else np.dtype(scalar).itemsize * length  # nested arrays: gguf's own way
+
+    _READER_CLASS = Reader
+    return Reader
+
+
 class GGUFFile:
     """One `.gguf` file; `tensor(key)` returns a zero-copy, memory-mapped view (raw blocks for quantised types)."""
 
@@ -39,7 +81,7 @@ class GGUFFile:
         self.file_size = stat.st_size
         self.identity = FileIdentity.of_stat(stat)
         try:
-            reader = gguf.GGUFReader(self.path, "r")
+            reader = _reader_class(gguf)(self.path, "r")
         except (ValueError, IndexError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: cannot read it as a GGUF file ({exc}); the file is truncated or "
                                   "not a GGUF file. Download it again.", path=self.path) from None
@@ -50,7 +92,9 @@ class GGUFFile:
         # The small metadata values (hyper-parameters, the architecture); the tokenizer's long arrays are skipped.
         self.metadata: dict[str, object] = {}
         for name, value in reader.fields.items():
-            if name.startswith(("GGUF.", "tokenizer.")) or len(value.data) > METADATA_ARRAY_LIMIT:
+            long_array = (value.types[:1] == [gguf.GGUFValueType.ARRAY] and len(value.parts) > 4
+                          and int(value.parts[4][0]) > METADATA_ARRAY_LIMIT)
+            if name.startswith(("GGUF.", "tokenizer.")) or long_array:
                 continue
             try:
                 self.metadata[name] = value.contents()
