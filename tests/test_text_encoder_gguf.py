@@ -523,7 +523,7 @@ def test_the_loader_node_lists_language_files_not_mmproj(setup, tmp_path):
     assert not any("mmproj" in c or "minimax_h3_fl2va" in c for c in choices)
 
 
-def test_a_published_tokenizer_section_is_stepped_over_exactly(setup, tmp_path):
+def test_a_published_tokenizer_section_is_stepped_over_exactly(tmp_path):
     """A published language file carries llama.cpp's tokenizer (151k tokens, types, merges): opening it reads the
     same tensors at the same offsets as gguf's own reader, without decoding every token (seconds per open)."""
     import time
@@ -534,9 +534,9 @@ def test_a_published_tokenizer_section_is_stepped_over_exactly(setup, tmp_path):
     writer = gguf.GGUFWriter(str(path), "qwen3vl")
     writer.add_embedding_length(256)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"tok{i}" for i in range(151936)])
-    writer.add_token_types([1] * 151936)
-    writer.add_token_merges([f"a{i} b{i}" for i in range(20000)])
+    writer.add_token_list([f"tok{i}" for i in range(30000)])  # 151936 in the real files
+    writer.add_token_types([1] * 30000)
+    writer.add_token_merges([f"a{i} b{i}" for i in range(10000)])
     writer.add_rope_dimension_sections([12, 10, 10, 0])
     writer.add_tensor("token_embd.weight", np.arange(8 * 256, dtype=np.float32).reshape(8, 256))
     writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(np.ones((256, 256), np.float32),
@@ -549,8 +549,9 @@ def test_a_published_tokenizer_section_is_stepped_over_exactly(setup, tmp_path):
     started = time.perf_counter()
     ours = GGUFFile(path)
     elapsed = time.perf_counter() - started
+    started = time.perf_counter()
     theirs = gguf.GGUFReader(str(path))
-    assert elapsed < 2.0, elapsed  # gguf's reader alone: several seconds here
+    assert elapsed < (time.perf_counter() - started) / 3  # 0.14 s against 8.6 s at the real size here
     assert ours.metadata["qwen3vl.rope.dimension_sections"] == [12, 10, 10, 0]
     assert ours.metadata["qwen3vl.embedding_length"] == 256
     assert not any(k.startswith("tokenizer.") for k in ours.metadata)
