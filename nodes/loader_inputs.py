@@ -100,7 +100,9 @@ def repack_inputs(optional: bool) -> list:
                                "load too (with the pack's quant extra installed)."),
         io.Combo.Input("text_encoder", options=model_sources.text_encoder_choices(),
                        default=model_sources.NONE, optional=optional,
-                       tooltip="For source 'ComfyUI repack files': qwen3vl_32b_minimax_h3_bf16.safetensors."),
+                       tooltip="For source 'ComfyUI repack files': qwen3vl_32b_minimax_h3_bf16.safetensors or a "
+                               "quantised repack; a published Qwen3-VL .gguf loads too (its mmproj-*.gguf beside "
+                               "it for keyframes and references, and the H3 tokenizer.json beside it)."),
         io.Combo.Input("video_vae", options=model_sources.video_vae_choices(),
                        default=model_sources.NONE, optional=optional,
                        tooltip="For source 'ComfyUI repack files': minimax_h3_video_vae_*.safetensors."),
