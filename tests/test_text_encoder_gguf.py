@@ -558,3 +558,24 @@ def test_a_published_tokenizer_section_is_stepped_over_exactly(tmp_path):
     for t in theirs.tensors:
         assert ours._entries[t.name][2] == t.data_offset and ours.nbytes(t.name) == t.n_bytes
     assert torch.equal(ours.tensor("token_embd.weight"), torch.arange(8 * 256, dtype=torch.float32).reshape(8, 256))
+
+
+def test_gguf_of_the_other_components_are_told_apart(setup, tmp_path):
+    """A DiT GGUF (ComfyUI-GGUF names) given as the text encoder, and the Qwen3-VL language file given as the
+    transformer: one error each, saying which loader the file belongs to."""
+    from h3_core.checkpoints.dit_loader import resolve_dit_checkpoint
+
+    dit = tmp_path / "minimax_h3_fl2va_Q8_0.gguf"
+    writer = gguf.GGUFWriter(str(dit), "minimax_h3")
+    writer.add_tensor("blocks.0.attn.qkv_proj.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_kind(dit) == "other"
+    with pytest.raises(CheckpointError) as caught:
+        load_text_encoder(dit, layer=LAYER)
+    assert "'minimax_h3'" in str(caught.value) and "load_dit" in str(caught.value)
+    with pytest.raises(CheckpointError) as caught:
+        resolve_dit_checkpoint(files_of(setup, "Q8_0")["text"])
+    assert "Qwen3-VL text encoder" in str(caught.value)

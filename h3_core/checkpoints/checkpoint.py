@@ -301,6 +301,10 @@ _LOOKS_LIKE = (
     (("text_encoder",), lambda keys: _any_key(keys, starts=("model.layers.", "model.language_model.", "visual.",
                                                             "language_model.")),
      "It looks like a text encoder checkpoint; pass it to load_text_encoder instead."),
+    # llama.cpp's names: a published GGUF language model (`blk.N.`, `token_embd`) or its vision projector (`v.`).
+    (("text_encoder",), lambda keys: _any_key(keys, starts=("blk.", "token_embd.", "v.blk.")),
+     "It looks like a llama.cpp GGUF (a Qwen3-VL text encoder or its mmproj); give the language .gguf as the text "
+     "encoder (load_text_encoder, the text_encoder input) instead."),
 )
 
 
