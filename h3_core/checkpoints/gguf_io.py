@@ -1,8 +1,10 @@
 """GGUF checkpoint files, read through the `gguf` package's reader (header only) and memory-mapped like safetensors.
 
 `GGUFFile` offers what the loaders ask of a `SafetensorsFile` (keys, shapes, dtypes, zero-copy tensors tagged with
-their file segment, so streamed reads `pread` them). Tensor names are the state-dict keys, as ComfyUI-GGUF writes
-them; shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
+their file segment, so streamed reads `pread` them), and the header's small metadata values (`metadata`: the
+architecture, hyper-parameters; the tokenizer's long arrays are stepped over). Tensor names are the file's: the
+state-dict keys for a DiT (as ComfyUI-GGUF writes them), llama.cpp's for a Qwen3-VL text encoder
+(`text_encoder_gguf`); shapes are ggml's dimensions reversed (torch order). F32 / F16 / BF16 tensors are plain tensors; every other
 ggml type is quantised: `tensor(key)` is its raw blocks (uint8, one row of blocks per logical row) and
 `quantised.QuantisedWeight` dequantises them (`gguf_dequant`, in torch). Each tensor's size, from its type and shape,
 is checked against the space the data section gives it (`_check_layout`), so a wrong type or shape field is refused
