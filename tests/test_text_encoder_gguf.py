@@ -579,3 +579,16 @@ def test_gguf_of_the_other_components_are_told_apart(setup, tmp_path):
     with pytest.raises(CheckpointError) as caught:
         resolve_dit_checkpoint(files_of(setup, "Q8_0")["text"])
     assert "Qwen3-VL text encoder" in str(caught.value)
+
+
+def test_a_fused_qkv_file_is_refused_naming_the_tensor(tmp_path):
+    path = tmp_path / "fused.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3vl")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.add_tensor("blk.0.attn_qkv.weight", np.zeros((96, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(CheckpointError, match="'blk.0.attn_qkv.weight' is a fused tensor"):
+        resolve_text_encoder_checkpoint(path, LAYER)

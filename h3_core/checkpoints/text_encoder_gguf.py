@@ -31,6 +31,9 @@ and `Qwen3VLVisionModel`; the names are gguf 0.19.0's `MODEL_TENSORS` / `TENSOR_
   where **bid is the vision layer the merger taps** (`deepstack_visual_indexes[i]`, "absolute clip layer index"),
   not the merger's list index.
 
+Some converter forks can fuse `attn_qkv` / `ffn_gate_up` in the language file; gguf 0.19's `qwen3vl` table has
+no such tensors, and such a file is refused naming the fused tensor.
+
 `published_tensors` / `text_metadata` / `mmproj_metadata` / `add_metadata` write such files (the quantiser);
 `reader_specs` and `config_from_metadata` read them (`text_encoder_loader`).
 """
@@ -570,6 +573,13 @@ def resolve_gguf_text_encoder(path: Path, layer: int, config=None, vision=None):
         raise H3Error(f"layer={layer!r}: must be a positive integer (H3 reads hidden_states[50]).")
     text = _gguf_file(path)
     _refuse_other_architecture(text)
+    for fused in ("blk.0.attn_qkv.weight", "blk.0.ffn_gate_up.weight"):
+        if fused in text:
+            raise CheckpointError(
+                f"{path}: '{fused}' is a fused tensor, which the published Qwen3-VL layout (gguf's qwen3vl tensors: "
+                "attn_q / attn_k / attn_v, ffn_gate / ffn_up) does not have; it comes from a converter option H3 does "
+                "not read. Use a file converted by llama.cpp's convert_hf_to_gguf.py without fusing.", path=path,
+                key=fused)
     language, stored = language_config_from_metadata(text)
     if layer > stored:
         block_count = text.metadata.get(f"{TEXT_ARCH}.block_count")
