@@ -35,7 +35,12 @@ Some converter forks can fuse `attn_qkv` / `ffn_gate_up` in the language file; g
 no such tensors, and such a file is refused naming the fused tensor.
 
 `published_tensors` / `text_metadata` / `mmproj_metadata` / `add_metadata` write such files (the quantiser);
-`reader_specs` and `config_from_metadata` read them (`text_encoder_loader`).
+`resolve_gguf_text_encoder` reads them (`reader_specs`, `language_config_from_metadata`,
+`vision_config_from_metadata`; called by `text_encoder_loader` for a `.gguf`). The mmproj is found beside the
+language file (`find_mmproj`: the `.gguf` files of its folder whose header says `clip` / `qwen3vl_merger`, and whose
+projection width is the language model's; of several, the one whose name without its `mmproj-` start shares the
+longest start with the language file's name, then the first by name); `load_text_encoder(vision=...)` names one or
+(False) reads text only. Listings tell the files apart from their headers (`gguf_kind`, cached by size and mtime).
 """
 
 from __future__ import annotations
