@@ -16,7 +16,7 @@ written under staging names, synced and renamed into place only when complete. F
   llama-quantize does; 1-D tensors F32, matrices of other widths as stored) and, when the source has a vision
   tower, its vision file `mmproj-<DST stem>.gguf` beside it (`clip`, projector `qwen3vl_merger`): its linear
   weights are Q8_0 for both formats (llama.cpp's converter writes mmproj files in F16 / BF16 / Q8_0 and
-  llama-quantize does not quantise them), the patch and position embeddings F16 (F32 from an fp32 source).
+  llama-quantize does not quantise them), the patch and position embeddings F16 (F32 from an fp32 source); norms and biases are F32 in both files.
 """
 
 from __future__ import annotations
@@ -163,10 +163,10 @@ def _write_published(stagings, ckpt, layer, fmt, gguf, value, stored_dtype, say)
     for t in published_tensors_checked(ckpt.config, layer):
         (name,) = t.sources  # each published tensor is made from one of ours
         dtype = stored_dtype(name)
-        if t.file == published.MMPROJ_FILE and t.name.startswith(MMPROJ_KEPT):
-            stored = torch.float32 if dtype == torch.float32 else torch.float16
-        elif len(t.shape) == 1:
+        if len(t.shape) == 1:
             stored = torch.float32  # norms and biases, as llama.cpp keeps them
+        elif t.file == published.MMPROJ_FILE and t.name.startswith(MMPROJ_KEPT):
+            stored = torch.float32 if dtype == torch.float32 else torch.float16
         else:
             wanted = quantisation if t.file == published.TEXT_FILE else MMPROJ_QUANTISATION
             stored = wanted if gguf_suits(gguf, wanted, t.shape) else dtype
