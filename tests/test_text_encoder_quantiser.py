@@ -23,9 +23,8 @@ from h3_core import load_text_encoder
 from h3_core.app import cli
 from h3_core.checkpoints import text_encoder_gguf as published
 from h3_core.checkpoints.kquants import quantize_q4_k
-from h3_core.checkpoints.quantiser import quantise_checkpoint
 from h3_core.checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
-from h3_core.checkpoints.text_encoder_quantiser import comfy_key, mmproj_path
+from h3_core.checkpoints.text_encoder_quantiser import comfy_key, mmproj_path, quantise_text_encoder
 from h3_core.errors import CheckpointError
 from h3_core.runtime.host_store import HostTensor
 
@@ -313,7 +312,7 @@ def test_every_source_layout_gives_the_same_file(written, sources, tmp_path, fmt
         target = tmp_path / layout / OUTPUT[fmt]
         target.parent.mkdir()
         options = {"config": sources["config"]} if layout == "comfy" else {}
-        assert quantise_checkpoint(sources[layout], target, fmt, component="text_encoder", layer=LAYER,
+        assert quantise_text_encoder(sources[layout], target, fmt, layer=LAYER,
                                    **options) == target
         assert filecmp.cmp(target, written[fmt], shallow=False), layout
         if fmt == "q8_0":
@@ -332,7 +331,7 @@ def test_one_parameter_at_a_time(sources, tmp_path, monkeypatch, fmt):
         return value
 
     monkeypatch.setattr(HostTensor, "private_value", tracked)
-    quantise_checkpoint(sources["official"], tmp_path / OUTPUT[fmt], fmt, component="text_encoder", layer=LAYER)
+    quantise_text_encoder(sources["official"], tmp_path / OUTPUT[fmt], fmt, layer=LAYER)
     assert made and max(alive_at_call) == 0
 
 
@@ -373,8 +372,8 @@ def test_a_text_only_source_writes_no_mmproj(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(reference.config.to_dict()))
     out = tmp_path / "out"
     out.mkdir()
-    quantise_checkpoint(tmp_path / "text_only.safetensors", out / "te.gguf", "q8_0", component="text_encoder",
-                        layer=LAYER, config=tmp_path / "config.json")
+    quantise_text_encoder(tmp_path / "text_only.safetensors", out / "te.gguf", "q8_0", layer=LAYER,
+                          config=tmp_path / "config.json")
     assert sorted(p.name for p in out.iterdir()) == ["te.gguf"]
 
 
@@ -424,4 +423,11 @@ def test_layer_and_component_are_checked(sources, tmp_path, capsys):
                   "q8_0"])
     assert info.value.code == 2 and "argument --component: invalid choice: 'vae'" in capsys.readouterr().err
     with pytest.raises(CheckpointError):
-        quantise_checkpoint(sources["official"], tmp_path / "t.gguf", "q8_0", component="text_encoder", layer=9)
+        quantise_text_encoder(sources["official"], tmp_path / "t.gguf", "q8_0", layer=9)
+
+
+def test_a_text_encoder_given_as_a_transformer_is_named(sources, tmp_path, capsys):
+    assert cli.main(["quantize", str(sources["comfy"]), str(tmp_path / "t.gguf"), "--format", "q8_0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {sources['comfy']}: ") and err.endswith(
+        "It looks like a text encoder checkpoint; quantise it with --component text_encoder.\n"), err

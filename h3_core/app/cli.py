@@ -584,6 +584,7 @@ def quantize(args, say=print, outputs: dict | None = None) -> Path:
     generate's --out, a file already at DST is replaced only by a complete one, and the message says so; `outputs`
     (filled in here) lets an interrupt say that DST is unchanged."""
     from ..checkpoints.quantiser import quantise_checkpoint
+    from ..checkpoints.text_encoder_quantiser import quantise_text_encoder
 
     component = getattr(args, "component", "transformer")
     options = {key: getattr(args, key, None) for key in ("layer", "config")}
@@ -596,9 +597,15 @@ def quantize(args, say=print, outputs: dict | None = None) -> Path:
     if outputs is not None:
         outputs.update(path=target, before=before)
     try:
-        written = quantise_checkpoint(args.source, target, args.format, component=component, **options)
+        if component == "text_encoder":
+            written = quantise_text_encoder(args.source, target, args.format, **options)
+        else:
+            written = quantise_checkpoint(args.source, target, args.format)
     except H3Error as exc:
-        raise CliError(re.sub(r"\b(format|layer|component|config)= ?", r"--\1 ", str(exc))) from None
+        message = re.sub(r"\b(format|layer|config)= ?", r"--\1 ", str(exc))
+        for function, flag in (("quantise_checkpoint", "transformer"), ("quantise_text_encoder", "text_encoder")):
+            message = message.replace(f"quantise it with {function} instead", f"quantise it with --component {flag}")
+        raise CliError(message) from None
     replaced = "; replaced the file that was there" if before is not None else ""
     say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format}{replaced})")
     if component == "text_encoder" and written.suffix == ".gguf":

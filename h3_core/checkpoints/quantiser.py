@@ -77,13 +77,13 @@ def check_paths(source: Path, target: Path, fmt: str) -> None:
 
 
 # The loaders' words for a file of another component, and the quantiser's.
-_OTHER_COMPONENT = {"pass it to load_dit instead.": "quantise it with component=transformer.",
-                    "pass it to load_text_encoder instead.": "quantise it with component=text_encoder."}
+_OTHER_COMPONENT = {"pass it to load_dit instead.": "quantise it with quantise_checkpoint instead.",
+                    "pass it to load_text_encoder instead.": "quantise it with quantise_text_encoder instead."}
 
 
 def for_quantising(exc: CheckpointError) -> CheckpointError:
     """`exc` with a loader's advice on a file of another component ("pass it to load_dit instead") in the
-    quantiser's words (component=, which the CLI spells --component); else `exc` itself."""
+    quantiser's words (which the CLI spells --component); else `exc` itself."""
     text = str(exc)
     for theirs, ours in _OTHER_COMPONENT.items():
         if text.endswith(theirs):
@@ -132,26 +132,12 @@ def checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> tor
     return tensor
 
 
-QUANTISE_COMPONENTS = ("transformer", "text_encoder")
-
-
 def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
-                        component: str = "transformer", log: Callable[[str], None] | None = None,
-                        **text_encoder_options) -> Path:
+                        log: Callable[[str], None] | None = None) -> Path:
     """Write `target`, the transformer at `source` (any layout, unquantised, fp32, fp16 or bf16) with its block
     matrices quantised as `fmt` ("fp8", "int8", "q8_0" or "q4_k"); returns `target`. A file already at `target` is
-    replaced only by a complete one. See the module docstring. `component="text_encoder"`: the text encoder
-    (`text_encoder_quantiser.quantise_text_encoder`, which takes `layer=` and `config=`)."""
-    if component not in QUANTISE_COMPONENTS:
-        raise H3Error(f"component={component!r} is not a component h3-stream quantises; use one of "
-                      f"{', '.join(QUANTISE_COMPONENTS)}.")
-    if component == "text_encoder":
-        from .text_encoder_quantiser import quantise_text_encoder
-
-        return quantise_text_encoder(source, target, fmt, log=log, **text_encoder_options)
-    if text_encoder_options:
-        raise H3Error(f"{', '.join(f'{k}=' for k in text_encoder_options)}: applies to component='text_encoder' "
-                      "only.")
+    replaced only by a complete one. See the module docstring; the text encoder's is
+    `text_encoder_quantiser.quantise_text_encoder`."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target, fmt)
     try:
