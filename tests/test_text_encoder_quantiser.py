@@ -431,3 +431,15 @@ def test_a_text_encoder_given_as_a_transformer_is_named(sources, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: {sources['comfy']}: ") and err.endswith(
         "It looks like a text encoder checkpoint; quantise it with --component text_encoder.\n"), err
+
+
+def test_a_gguf_source_is_named(written, tmp_path, capsys):
+    # a published (quantised) language file: already quantised; given as a transformer: named as a text encoder
+    argv = ["quantize", "--component", "text_encoder", str(written["q8_0"]), str(tmp_path / "t.gguf"), "--format",
+            "q4_k", "--layer", str(LAYER)]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == (f"error: {written['q8_0']}: is already quantised ('token_embd.weight' is gguf "
+                                       "Q8_0); quantise the bf16 text encoder instead.\n")
+    assert cli.main(["quantize", str(written["q8_0"]), str(tmp_path / "t.gguf"), "--format", "q4_k"]) == 2
+    assert capsys.readouterr().err.endswith("); quantise it with --component text_encoder.\n")
+    assert not any(tmp_path.iterdir())

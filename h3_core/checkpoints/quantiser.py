@@ -78,7 +78,9 @@ def check_paths(source: Path, target: Path, fmt: str) -> None:
 
 # The loaders' words for a file of another component, and the quantiser's.
 _OTHER_COMPONENT = {"pass it to load_dit instead.": "quantise it with quantise_checkpoint instead.",
-                    "pass it to load_text_encoder instead.": "quantise it with quantise_text_encoder instead."}
+                    "pass it to load_text_encoder instead.": "quantise it with quantise_text_encoder instead.",
+                    "give the language .gguf as the text encoder (load_text_encoder, the text_encoder input) instead.":
+                    "quantise it with quantise_text_encoder instead."}
 
 
 def for_quantising(exc: CheckpointError) -> CheckpointError:
