@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   "--component text_encoder, the text encoder (its text_encoder/ folder, a partition "
                                   "or a ComfyUI text_encoders .safetensors file), bf16, fp16 or fp32")
     q.add_argument("target", help="the file to write: .safetensors for fp8 / int8 (ComfyUI mixed precision), .gguf "
-                                  "for q8_0 / q4_k (a text encoder's vision tower goes to mmproj-<name>.gguf beside "
-                                  "it). Written under a temporary name and renamed when complete: an existing file is "
-                                  "replaced only by a finished one")
-    q.add_argument("--format", required=True, choices=["q8_0", "q4_k", "fp8", "int8"], help="the quantisation")
+                                  "for q8_0 / q6_k / q4_k (a text encoder's vision tower goes to mmproj-<name>.gguf "
+                                  "beside it). Written under a temporary name and renamed when complete: an existing "
+                                  "file is replaced only by a finished one")
+    q.add_argument("--format", required=True, choices=["q8_0", "q6_k", "q4_k", "fp8", "int8"],
+                   help="the quantisation")
     q.add_argument("--component", choices=["transformer", "text_encoder"], default="transformer",
                    help="what SRC is (default: transformer)")
     q.add_argument("--layer", type=int, help="text encoder only: keep decoder layers below this one (default 50, "

@@ -111,7 +111,8 @@ def _q4_k_blocks(x: torch.Tensor) -> torch.Tensor:
     step = d.to(torch.float32)[:, None] * ls.to(torch.float32)  # (n, 8), as the decoder forms them
     offset = dmin.to(torch.float32)[:, None] * lm.to(torch.float32)
     live = step != 0
-    q = torch.round((x.reshape(n, 8, SUB) + offset[..., None]) / torch.where(live, step, torch.ones_like(step))[..., None])
+    divisor = torch.where(live, step, torch.ones_like(step))[..., None]
+    q = torch.round((x.reshape(n, 8, SUB) + offset[..., None]) / divisor)
     q = torch.where(live[..., None], q.clamp_(0, _NMAX), torch.zeros_like(q)).to(torch.uint8)  # (n, 8, 32)
 
     out = torch.empty((n, Q4_K_BYTES), dtype=torch.uint8)
@@ -125,4 +126,82 @@ def _q4_k_blocks(x: torch.Tensor) -> torch.Tensor:
     # nibbles: each 32-byte run holds two sub-blocks, the first in the low nibbles, the second in the high ones
     pairs = q.reshape(n, 4, 2, SUB)
     out[:, 16:] = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, 128)
+    return out
+
+
+# ---- Q6_K ----------------------------------------------------------------------------------------------------
+
+Q6_K_BYTES = 210
+_Q6_NMAX = 32  # 6-bit codes -32..31
+_Q6_STEPS = (0,) + tuple(k for k in range(-9, 10) if k)  # llama.cpp's make_qx_quants: the plain grid, then +-0.1 steps
+_GROUP_MAX_EPS = 1e-15  # llama.cpp's: a sub-block (or super-block) below this is all zero
+
+
+def quantize_q6_k(tensor: torch.Tensor) -> torch.Tensor:
+    """The Q6_K blocks of `tensor` (last dimension a multiple of 256): uint8, 210 bytes per 256 values, as GGUF
+    stores them. llama.cpp's reference recipe without an importance matrix (`quantize_row_q6_K_ref`): 16 sub-blocks of
+    16 with a symmetric 6-bit grid whose step is searched (make_qx_quants, weights x^2), int8 sub-block scales against
+    an fp16 super-block `d`."""
+    if not q4_k_suits(tuple(tensor.shape)):
+        raise ValueError(f"Q6_K needs rows of a multiple of {QK_K} values, got shape {tuple(tensor.shape)}")
+    shape = tuple(tensor.shape)
+    flat = tensor.detach().reshape(-1, QK_K)
+    out = torch.empty((flat.shape[0], Q6_K_BYTES), dtype=torch.uint8)
+    per_chunk = max(1, _CHUNK // (QK_K // SUB))
+    for start in range(0, flat.shape[0], per_chunk):
+        out[start:start + per_chunk] = _q6_k_blocks(flat[start:start + per_chunk].to(device="cpu",
+                                                                                      dtype=torch.float32))
+    return out.reshape(*shape[:-1], shape[-1] // QK_K * Q6_K_BYTES)
+
+
+def _signed_extreme(values: torch.Tensor) -> torch.Tensor:
+    """Per row of `values`, the entry of largest magnitude (the first of equals), with its sign."""
+    return values.gather(1, values.abs().argmax(dim=1, keepdim=True))[:, 0]
+
+
+def _q6_sub_block_scales(x: torch.Tensor) -> torch.Tensor:
+    """make_qx_quants(16, 32, x, rmse_type=1) on every sub-block `x` (n, 16): the signed scale it keeps."""
+    extreme = _signed_extreme(x)
+    live = extreme.abs() >= _GROUP_MAX_EPS
+    safe = torch.where(live, extreme, torch.ones_like(extreme))
+    steps = torch.tensor([-(_Q6_NMAX + 0.1 * k) for k in _Q6_STEPS], dtype=x.dtype)
+    q = torch.round_(x[:, None, :] * (steps[None, :] / safe[:, None])[:, :, None]).clamp_(-_Q6_NMAX, _Q6_NMAX - 1)
+    weights = x * x
+    sum_lx = torch.bmm(q, (weights * x)[:, :, None])[..., 0]  # (n, 19)
+    sum_l2 = torch.bmm(q.mul_(q), weights[:, :, None])[..., 0]
+    positive = sum_l2 > 0
+    safe_l2 = torch.where(positive, sum_l2, torch.ones_like(sum_l2))
+    # the plain grid is kept unless a step is strictly better (sum_lx^2 / sum_l2, the error's reduction)
+    merit = torch.where(positive, sum_lx * sum_lx / safe_l2, torch.zeros_like(sum_lx))
+    pick = merit.argmax(dim=1, keepdim=True)
+    scale = (sum_lx / safe_l2).gather(1, pick)[:, 0]
+    scale = torch.where(positive.gather(1, pick)[:, 0], scale, torch.zeros_like(scale))
+    return torch.where(live, scale, torch.zeros_like(scale))
+
+
+def _q6_k_blocks(x: torch.Tensor) -> torch.Tensor:
+    """(n, 256) float32 -> (n, 210) uint8 block_q6_K."""
+    n = x.shape[0]
+    scales = _q6_sub_block_scales(x.reshape(n * 16, 16)).reshape(n, 16)
+    top = _signed_extreme(scales)
+    live = top.abs() >= _GROUP_MAX_EPS
+    inverse = -128.0 / torch.where(live, top, torch.ones_like(top))
+    d = torch.where(live, 1 / inverse, torch.zeros_like(inverse)).to(torch.float16)
+    codes = torch.round(scales * inverse[:, None]).clamp_(max=127)
+    codes = torch.where(live[:, None], codes, torch.zeros_like(codes)).to(torch.int8)
+    step = d.to(torch.float32)[:, None] * codes.to(torch.float32)  # (n, 16), as the decoder forms them
+    nonzero = step != 0
+    q = torch.round(x.reshape(n, 16, 16) / torch.where(nonzero, step, torch.ones_like(step))[..., None])
+    q = torch.where(nonzero[..., None], q.clamp_(-32, 31), torch.zeros_like(q))
+    q = (q + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # halves of 128, quarters of 32
+
+    out = torch.zeros((n, Q6_K_BYTES), dtype=torch.uint8)
+    # low nibbles: per half, quarters 0 | 2 << 4, then quarters 1 | 3 << 4; high 2 bits: quarters 0-3 in one byte
+    low = torch.cat([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
+                     (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], dim=2)
+    high = (q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)
+    out[:, :128] = low.reshape(n, 128)
+    out[:, 128:192] = high.reshape(n, 64)
+    out[:, 192:208] = codes.view(torch.uint8)
+    out[:, 208:210] = d.reshape(n, 1).view(torch.uint8)
     return out

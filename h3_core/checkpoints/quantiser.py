@@ -7,16 +7,18 @@ written and dropped: the process never holds more than one parameter of the mode
 * `fp8`: ComfyUI mixed precision `float8_e4m3fn` (per-tensor `weight_scale`, `comfy_quant` JSON), a `.safetensors`;
 * `int8`: ComfyUI mixed precision `int8_tensorwise` with per-row scales, a `.safetensors`;
 * `q8_0`: GGUF Q8_0 (ComfyUI-GGUF's names: the state-dict keys), a `.gguf`;
-* `q4_k`: GGUF Q4_K (the same names; our own quantiser, `kquants`: gguf's package has none), a `.gguf`.
+* `q6_k` / `q4_k`: GGUF Q6_K / Q4_K (the same names; our own quantisers, `kquants`: gguf's package has none), a
+  `.gguf`.
 
 `--component text_encoder` is `text_encoder_quantiser` (the same formats, ComfyUI's and llama.cpp's text-encoder
 layouts), sharing the writers below.
 
 Quantised are the 2-D matrices of the transformer blocks and of the text refiner, by comfy-kitchen's and gguf's own
-quantisers (and ours for Q4_K); every other tensor (norms, biases, the fp32 islands) is written as stored, so the file runs at the
-loader's default dtype whatever the source's (fp32, fp16 or bf16). The file is written under a hidden staging name
-in DST's folder (`.NAME.PID.partial`, as generate's outputs), synced to disk and renamed over DST when complete: a
-failed or interrupted run leaves no partial file and the file already at DST untouched; a complete one replaces it.
+quantisers (and ours for the K-quants); every other tensor (norms, biases, the fp32 islands) is written as stored,
+so the file runs at the loader's default dtype whatever the source's (fp32, fp16 or bf16). The file is written under
+a hidden staging name in DST's folder (`.NAME.PID.partial`, as generate's outputs), synced to disk and renamed over
+DST when complete: a failed or interrupted run leaves no partial file and the file already at DST untouched; a
+complete one replaces it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,10 @@ from ..models.dit import RotaryEmbedding3D
 from .dit_loader import COMFY_PREFIX, _expected_tensors, resolve_dit_checkpoint, target_dtype
 from .quantised import LARGEST_WEIGHT, gguf_package, kitchen_eager
 
-QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf", "q4_k": ".gguf"}
+QUANTISE_FORMATS = {"fp8": ".safetensors", "int8": ".safetensors", "q8_0": ".gguf", "q6_k": ".gguf", "q4_k": ".gguf"}
 _SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                        torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8"}
-GGUF_BLOCK = {"q8_0": 32, "q4_k": 256}  # values per block (ggml's Q8_0, Q4_K)
+GGUF_BLOCK = {"q8_0": 32, "q6_k": 256, "q4_k": 256}  # values per block (ggml's Q8_0, Q6_K, Q4_K)
 
 
 def _quantised(name: str, shape: tuple[int, ...], fmt: str) -> bool:
@@ -137,8 +139,8 @@ def checked_for_quantising(source: Path, name: str, tensor: torch.Tensor) -> tor
 def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
                         log: Callable[[str], None] | None = None) -> Path:
     """Write `target`, the transformer at `source` (any layout, unquantised, fp32, fp16 or bf16) with its block
-    matrices quantised as `fmt` ("fp8", "int8", "q8_0" or "q4_k"); returns `target`. A file already at `target` is
-    replaced only by a complete one. See the module docstring; the text encoder's is
+    matrices quantised as `fmt` ("fp8", "int8", "q8_0", "q6_k" or "q4_k"); returns `target`. A file already at
+    `target` is replaced only by a complete one. See the module docstring; the text encoder's is
     `text_encoder_quantiser.quantise_text_encoder`."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target, fmt)
@@ -268,7 +270,7 @@ def write_safetensors(path: Path, plan, value, fmt: str, kitchen, say,
 
 # ---- GGUF ------------------------------------------------------------------------------------------------------
 
-GGUF_TYPES = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
+GGUF_TYPES = {"q8_0": "Q8_0", "q6_k": "Q6_K", "q4_k": "Q4_K"}
 # Values quantised per call of a row quantiser: bounds its scratch (gguf's NumPy Q8_0 makes several float32 copies)
 # whatever the tensor's size, e.g. the text encoder's 778-million-value embedding.
 _ROWS_CHUNK_VALUES = 1 << 24
@@ -299,7 +301,7 @@ def quantize_rows(gguf, tensor: torch.Tensor, stored: str):
     """The ggml blocks (NumPy uint8, one row of blocks per row) of the matrix `tensor`, a few rows at a time."""
     import numpy as np
 
-    from .kquants import quantize_q4_k
+    from .kquants import quantize_q4_k, quantize_q6_k
 
     rows, cols = tensor.shape
     block, size = gguf_block(gguf, stored)
@@ -308,8 +310,8 @@ def quantize_rows(gguf, tensor: torch.Tensor, stored: str):
     qtype = gguf.GGMLQuantizationType[stored]
     for start in range(0, rows, step):
         chunk = tensor[start:start + step]
-        if stored == "Q4_K":
-            out[start:start + step] = quantize_q4_k(chunk).numpy()
+        if stored in ("Q4_K", "Q6_K"):
+            out[start:start + step] = (quantize_q4_k if stored == "Q4_K" else quantize_q6_k)(chunk).numpy()
         else:
             out[start:start + step] = gguf.quants.quantize(chunk.float().numpy(), qtype)
     return out
@@ -328,8 +330,9 @@ def write_gguf(path: Path, arch: str, tensors: list[GGUFTensor], gguf, say, meta
             add_metadata(writer, metadata)
         quantised = {t.stored for t in tensors if isinstance(t.stored, str)}
         if quantised:  # what llama.cpp writes in the files it quantises
-            file_type = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S}
-            writer.add_file_type(file_type["Q4_K" if "Q4_K" in quantised else "Q8_0"])
+            file_type = {"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q6_K": gguf.LlamaFileType.MOSTLY_Q6_K,
+                         "Q4_K": gguf.LlamaFileType.MOSTLY_Q4_K_S}
+            writer.add_file_type(file_type[next(t for t in ("Q4_K", "Q6_K", "Q8_0") if t in quantised)])
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         for t in tensors:
             if isinstance(t.stored, str):

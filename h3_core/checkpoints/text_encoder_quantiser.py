@@ -11,12 +11,13 @@ written under staging names, synced and renamed into place only when complete. F
   `model.layers.N.*`, `visual.*`), ComfyUI mixed precision (`comfy_quant` JSON, `weight_scale`) by comfy-kitchen's
   own quantisers: the 2-D linear weights of the decoder layers and of the vision tower are quantised; the embedding,
   the vision position embedding, the patch embedding (5-D), norms and biases are written as stored.
-* `q8_0` / `q4_k` -> a `.gguf` in llama.cpp's published Qwen3-VL layout (`text_encoder_gguf`): the language file
-  DST (`qwen3vl`, its `qwen3vl.*` metadata; every matrix whose rows are whole blocks quantised, `token_embd` too, as
-  llama-quantize does; 1-D tensors F32, matrices of other widths as stored) and, when the source has a vision
+* `q8_0` / `q6_k` / `q4_k` -> a `.gguf` in llama.cpp's published Qwen3-VL layout (`text_encoder_gguf`): the
+  language file DST (`qwen3vl`, its `qwen3vl.*` metadata; every matrix whose rows are whole blocks quantised,
+  `token_embd` too, as llama-quantize does; matrices of other widths as stored) and, when the source has a vision
   tower, its vision file `mmproj-<DST stem>.gguf` beside it (`clip`, projector `qwen3vl_merger`): its linear
-  weights are Q8_0 for both formats (llama.cpp's converter writes mmproj files in F16 / BF16 / Q8_0 and
-  llama-quantize does not quantise them), the patch and position embeddings F16 (F32 from an fp32 source); norms and biases are F32 in both files.
+  weights are Q8_0 for every format (llama.cpp's converter writes mmproj files in F16 / BF16 / Q8_0 and
+  llama-quantize does not quantise them), the patch and position embeddings F16 (F32 from an fp32 source). Norms
+  and biases are F32 in both files.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _processor(ckpt) -> ImageProcessorConfig:
 def quantise_text_encoder(source: str | os.PathLike, target: str | os.PathLike, fmt: str, *,
                           layer: int = H3_LAYER, config=None, log: Callable[[str], None] | None = None) -> Path:
     """Write `target` (and, for a `.gguf` of an encoder with a vision tower, `mmproj_path(target)`), the text encoder
-    at `source` quantised as `fmt` ("fp8", "int8", "q8_0", "q4_k") up to decoder layer `layer`; returns `target`.
+    at `source` quantised as `fmt` ("fp8", "int8", "q8_0", "q6_k", "q4_k") up to decoder layer `layer`; returns
+    `target`.
     `config`: a config.json for a single file that is not Qwen3-VL-32B (as `load_text_encoder`'s). Files already
     there are replaced only by complete ones. See the module docstring."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
