@@ -25,7 +25,7 @@ from h3_core.checkpoints import text_encoder_gguf as published
 from h3_core.checkpoints.kquants import quantize_q4_k, quantize_q6_k
 from h3_core.checkpoints.text_encoder_loader import resolve_text_encoder_checkpoint
 from h3_core.checkpoints.text_encoder_quantiser import comfy_key, mmproj_path, quantise_text_encoder
-from h3_core.errors import CheckpointError
+from h3_core.errors import CheckpointError, H3Error
 from h3_core.runtime.host_store import HostTensor
 
 gguf = pytest.importorskip("gguf")
@@ -376,6 +376,15 @@ def test_a_text_only_source_writes_no_mmproj(tmp_path):
     quantise_text_encoder(tmp_path / "text_only.safetensors", out / "te.gguf", "q8_0", layer=LAYER,
                           config=tmp_path / "config.json")
     assert sorted(p.name for p in out.iterdir()) == ["te.gguf"]
+    # an mmproj already there would be paired with the text-only file: refused before anything is written
+    mmproj_path(out / "te2.gguf").write_bytes(b"another model's vision file")
+    with pytest.raises(H3Error) as info:
+        quantise_text_encoder(tmp_path / "text_only.safetensors", out / "te2.gguf", "q8_0", layer=LAYER,
+                              config=tmp_path / "config.json")
+    assert str(info.value) == (f"{mmproj_path(out / 'te2.gguf')}: is beside te2.gguf but "
+                               f"{tmp_path / 'text_only.safetensors'} has no vision tower, so it would be read as the "
+                               "new file's vision tower; move it, or name the output otherwise.")
+    assert sorted(p.name for p in out.iterdir()) == ["mmproj-te2.gguf", "te.gguf"]
 
 
 @pytest.mark.parametrize("argv, message", [

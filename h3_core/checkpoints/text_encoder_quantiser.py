@@ -109,11 +109,16 @@ def quantise_text_encoder(source: str | os.PathLike, target: str | os.PathLike, 
     specs = {spec.name: spec for spec in ckpt.specs}
     say = log or (lambda message: None)
     targets = [target]
+    vision = mmproj_path(target)
     if gguf is not None and ckpt.config.vision is not None:
-        targets.append(mmproj_path(target))
-        if targets[1].exists() and not targets[1].is_file():
-            raise H3Error(f"{targets[1]}: exists and is not a regular file (a folder, a device or a pipe); the vision "
+        targets.append(vision)
+        if vision.exists() and not vision.is_file():
+            raise H3Error(f"{vision}: exists and is not a regular file (a folder, a device or a pipe); the vision "
                           "tower is written there: move it, or name the output otherwise.")
+    elif gguf is not None and vision.exists():
+        # the loader would pair the new text-only file with it
+        raise H3Error(f"{vision}: is beside {target.name} but {source} has no vision tower, so it would be read as "
+                      "the new file's vision tower; move it, or name the output otherwise.")
     for path in targets:
         remove_dead_staging(path)
     stagings = [staging_path(path) for path in targets]
