@@ -89,9 +89,8 @@ def quantise_text_encoder(source: str | os.PathLike, target: str | os.PathLike, 
                           layer: int = H3_LAYER, config=None, log: Callable[[str], None] | None = None) -> Path:
     """Write `target` (and, for a `.gguf` of an encoder with a vision tower, `mmproj_path(target)`), the text encoder
     at `source` quantised as `fmt` ("fp8", "int8", "q8_0", "q6_k", "q4_k") up to decoder layer `layer`; returns
-    `target`.
-    `config`: a config.json for a single file that is not Qwen3-VL-32B (as `load_text_encoder`'s). Files already
-    there are replaced only by complete ones. See the module docstring."""
+    `target`. `config`: a config.json for a single file that is not Qwen3-VL-32B (as `load_text_encoder`'s). Files
+    already there are replaced only by complete ones. See the module docstring."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target, fmt)
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
