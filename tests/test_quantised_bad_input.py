@@ -313,7 +313,7 @@ def test_a_gguf_tensor_whose_type_or_shape_does_not_match_its_bytes_is_refused(g
 
 # ---- python -m h3_core quantize -----------------------------------------------------------------------------------
 
-OUTPUT = {"fp8": "out.safetensors", "int8": "out.safetensors", "q8_0": "out.gguf"}
+OUTPUT = {"fp8": "out.safetensors", "int8": "out.safetensors", "q8_0": "out.gguf", "q4_k": "out.gguf"}
 OLD = b"an earlier quantised file"
 
 
@@ -377,7 +377,7 @@ def test_quantize_into_a_folder_that_cannot_be_written_is_one_line_before_readin
         "); choose a folder you can write.\n") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "q8_0", "q4_k"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e5], ids=["nan", "inf", "1e5"])
 def test_a_source_matrix_that_is_not_finite_or_too_large_is_named(state, tmp_path, fmt, bad):
     # Before: NaN / inf gave a file of NaN scales (or blocks) without a word; 1e5 a file whose scales its own loader
@@ -397,7 +397,7 @@ def test_a_source_matrix_that_is_not_finite_or_too_large_is_named(state, tmp_pat
     assert names(tmp_path) == ["source.safetensors"]
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "q8_0"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8", "q8_0", "q4_k"])
 def test_an_all_zero_matrix_quantises_to_zeros(state, tmp_path, fmt):
     # Before (fp8): scale = amax / 448 = 0 and comfy-kitchen's quantiser computed 0 x (1 / 0): every weight NaN.
     from h3_core.checkpoints.quantiser import quantise_checkpoint

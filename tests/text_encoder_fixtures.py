@@ -31,6 +31,10 @@ TINY_VISION_CONFIG = dict(
     spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0, 2],
     hidden_act="gelu_pytorch_tanh",
 )
+# Widths of whole 256-value rows (GGUF K-quant super-blocks) for every language matrix: the quantiser tests.
+KQUANT_TEXT_CONFIG = dict(TINY_TEXT_CONFIG, hidden_size=256, intermediate_size=512, head_dim=64,
+                          rope_parameters=dict(TINY_TEXT_CONFIG["rope_parameters"], mrope_section=[16, 8, 8]))
+KQUANT_VISION_CONFIG = dict(TINY_VISION_CONFIG, out_hidden_size=256)
 PROCESSOR_CONFIG = {
     "size": {"longest_edge": 16777216, "shortest_edge": 65536},
     "patch_size": 16,
@@ -49,18 +53,20 @@ PROCESSOR_CONFIG = {
 # ---- reference model -------------------------------------------------------------------------------------------------
 
 
-def reference_config(num_layers: int = 6, vision: bool = True):
+def reference_config(num_layers: int = 6, vision: bool = True, kquant: bool = False):
+    """`kquant`: the widths of `KQUANT_TEXT_CONFIG` / `KQUANT_VISION_CONFIG`."""
     from transformers import Qwen3VLConfig
 
-    return Qwen3VLConfig(text_config={**TINY_TEXT_CONFIG, "num_hidden_layers": num_layers},
-                         vision_config=dict(TINY_VISION_CONFIG) if vision else None)
+    text, visual = (KQUANT_TEXT_CONFIG, KQUANT_VISION_CONFIG) if kquant else (TINY_TEXT_CONFIG, TINY_VISION_CONFIG)
+    return Qwen3VLConfig(text_config={**text, "num_hidden_layers": num_layers},
+                         vision_config=dict(visual) if vision else None)
 
 
-def reference_model(num_layers: int = 6, seed: int = 0):
+def reference_model(num_layers: int = 6, seed: int = 0, kquant: bool = False):
     """A `Qwen3VLForConditionalGeneration` with every parameter drawn at random (fp32)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    model = Qwen3VLForConditionalGeneration(reference_config(num_layers)).eval()
+    model = Qwen3VLForConditionalGeneration(reference_config(num_layers, kquant=kquant)).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

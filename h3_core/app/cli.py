@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import dataclasses
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -138,14 +139,23 @@ def lora_recommendations(loras, args, say) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m h3_core", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    q = commands.add_parser("quantize", help="write a quantised copy of a transformer checkpoint (bf16, fp16 or "
-                                             "fp32), streaming it a tensor at a time")
-    q.add_argument("source", help="the transformer (bf16, fp16 or fp32): a ComfyUI .safetensors file or a "
-                                  "transformer folder")
+    q = commands.add_parser("quantize", help="write a quantised copy of a transformer or text-encoder checkpoint "
+                                             "(bf16, fp16 or fp32), streaming it a tensor at a time")
+    q.add_argument("source", help="the transformer (a ComfyUI .safetensors file or a transformer folder) or, with "
+                                  "--component text_encoder, the text encoder (its text_encoder/ folder, a partition "
+                                  "or a ComfyUI text_encoders .safetensors file), bf16, fp16 or fp32")
     q.add_argument("target", help="the file to write: .safetensors for fp8 / int8 (ComfyUI mixed precision), .gguf "
-                                  "for q8_0. Written under a temporary name and renamed when complete: an existing "
+                                  "for q8_0 / q6_k / q4_k (a text encoder's vision tower goes to mmproj-<name>.gguf "
+                                  "beside it). Written under a temporary name and renamed when complete: an existing "
                                   "file is replaced only by a finished one")
-    q.add_argument("--format", required=True, choices=["q8_0", "fp8", "int8"], help="the quantisation")
+    q.add_argument("--format", required=True, choices=["q8_0", "q6_k", "q4_k", "fp8", "int8"],
+                   help="the quantisation")
+    q.add_argument("--component", choices=["transformer", "text_encoder"], default="transformer",
+                   help="what SRC is (default: transformer)")
+    q.add_argument("--layer", type=int, help="text encoder only: keep decoder layers below this one (default 50, "
+                                             "what H3 reads)")
+    q.add_argument("--config", type=Path, metavar="FILE", help="text encoder only: the config.json of a single-file "
+                   "text encoder that is not Qwen3-VL-32B (the ComfyUI repack carries none)")
     g = commands.add_parser("generate", help="generate a video with stereo audio from a prompt")
     g.add_argument("prompt", help="the text prompt (an empty string is allowed)")
     g.add_argument("--seconds", type=float, help="duration; rounded up to the 17n+5 frame grid at 24 fps. Beyond 15 s "
@@ -575,17 +585,36 @@ def quantize(args, say=print, outputs: dict | None = None) -> Path:
     generate's --out, a file already at DST is replaced only by a complete one, and the message says so; `outputs`
     (filled in here) lets an interrupt say that DST is unchanged."""
     from ..checkpoints.quantiser import quantise_checkpoint
+    from ..checkpoints.text_encoder_quantiser import quantise_text_encoder
 
+    component = getattr(args, "component", "transformer")
+    options = {key: getattr(args, key, None) for key in ("layer", "config")}
+    options = {key: value for key, value in options.items() if value is not None}
+    if options and component != "text_encoder":
+        raise CliError(f"--{next(iter(options))} applies to --component text_encoder only; leave it out for a "
+                       "transformer.")
     target = Path(args.target).expanduser()
     before = _identity(target)
     if outputs is not None:
         outputs.update(path=target, before=before)
     try:
-        written = quantise_checkpoint(args.source, target, args.format)
+        if component == "text_encoder":
+            written = quantise_text_encoder(args.source, target, args.format, **options)
+        else:
+            written = quantise_checkpoint(args.source, target, args.format)
     except H3Error as exc:
-        raise CliError(str(exc).replace("format=", "--format ")) from None
+        message = re.sub(r"\b(format|layer|config)= ?", r"--\1 ", str(exc))
+        for function, flag in (("quantise_checkpoint", "transformer"), ("quantise_text_encoder", "text_encoder")):
+            message = message.replace(f"quantise it with {function} instead", f"quantise it with --component {flag}")
+        raise CliError(message) from None
     replaced = "; replaced the file that was there" if before is not None else ""
     say(f"wrote {written} ({written.stat().st_size / 2**20:.1f} MiB, {args.format}{replaced})")
+    if component == "text_encoder" and written.suffix == ".gguf":
+        from ..checkpoints.text_encoder_quantiser import mmproj_path
+
+        vision = mmproj_path(written)
+        if vision.is_file():
+            say(f"wrote {vision} ({vision.stat().st_size / 2**20:.1f} MiB: the vision tower, beside it)")
     return written
 
 
