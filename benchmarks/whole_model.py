@@ -206,6 +206,7 @@ def run_task(args) -> dict:
 
     def enter_phase(phase: str) -> None:
         close_phase()
+        print(f"{time.perf_counter() - started:7.1f} s  {phase}", file=sys.stderr, flush=True)
         real_enter(phase)
         _trim()
         sampler.enter(phase)
@@ -236,6 +237,7 @@ def run_task(args) -> dict:
     baseline.update(_status())
     sampler.start()
     started = time.perf_counter()
+    print(f"{args.child} at --memory-budget {args.memory_budget:g}:", file=sys.stderr, flush=True)
     result = pipeline.generate(PROMPT, width=width, height=height, num_frames=args.frames, steps=args.steps, seed=0,
                                first_frame=first)
     seconds = time.perf_counter() - started
@@ -334,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
                        "--memory-budget", str(args.memory_budget), "--size", args.size, "--frames", str(args.frames),
                        "--steps", str(args.steps), "--threads", str(args.threads),
                        "--interval-ms", str(args.interval_ms)]
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log goes to our stderr
             line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
             if done.returncode or line is None:
-                print(done.stdout[-4000:], done.stderr[-6000:])
+                print(done.stdout[-4000:])
                 return 1
             result = json.loads(line[len("RESULT "):])
             print(result["plan"])

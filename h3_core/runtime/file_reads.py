@@ -12,6 +12,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -292,6 +293,40 @@ def total_memory_bytes() -> int | None:
             status = _windows_memory_status()
             found = None if status is None else status[1]
     return found
+
+
+READ_AHEAD_PIECE_BYTES = 8 << 20
+
+
+def read_ahead_files(paths, *, limit_bytes: int | None) -> threading.Thread | None:
+    """Read `paths` once in the background, in 8 MiB pieces into one reused buffer, so that they are in the page cache
+    when they are loaded, when their total size is at most `limit_bytes` (None: memory unknown, nothing done);
+    returns the reading thread, or None. Real reads, not a `posix_fadvise(WILLNEED)` hint: overlay file systems
+    drop that hint (measured here: the file was read from disk again). The pages stay the kernel's to evict; a file
+    that vanished or fails meanwhile is skipped."""
+    if limit_bytes is None:
+        return None
+    files = [Path(p) for p in paths]
+    try:
+        total = sum(f.stat().st_size for f in files)
+    except OSError:
+        return None
+    if total > limit_bytes:
+        return None
+
+    def read_all() -> None:
+        buffer = bytearray(READ_AHEAD_PIECE_BYTES)
+        for file in files:
+            try:
+                with open(file, "rb", buffering=0) as handle:
+                    while handle.readinto(buffer):
+                        pass
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=read_all, name="h3-read-ahead", daemon=True)
+    thread.start()
+    return thread
 
 
 def disk_read_bytes() -> int | None:
