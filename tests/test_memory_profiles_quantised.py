@@ -77,3 +77,18 @@ def test_the_small_machine_profiles_plan_the_quantised_files_at_their_stored_siz
 
     # The whole plan fits its budget, with the quantised units counted as above.
     assert planned.plan.peak_bytes <= planned.plan.budget_bytes == profile.budget_bytes()
+
+
+def test_a_quantised_token_embedding_is_planned_with_its_stored_bytes_beside_it_while_it_is_decoded(quantised):
+    """The embeddings part of the text encode holds the dequantised embedding and, while it is decoded, the Q4_K
+    bytes it is decoded from (measured at these sizes: 1.45 GiB + 0.41 GiB, benchmarks/whole_model.py)."""
+    from h3_core.planning.phase_plans import plan_for_budget
+
+    plan = plan_for_budget(quantised, device="cpu", budget_bytes=1 << 40, width=256, height=256, num_frames=22,
+                           keyframes=True, steps=2, residency="layerwise")
+    text = plan.phase("text encode")
+    items = {(i.what, i.during): i.nbytes for i in text.items}
+    embedding = next(t for t in gguf.GGUFReader(quantised.text_encoder).tensors if t.name == "token_embd.weight")
+    assert items[("phase staging", "embeddings")] == int(embedding.n_bytes)
+    assert items[("phase weights", "embeddings")] == int(embedding.n_elements) * BF16
+    assert text.part_bytes("embeddings") >= int(embedding.n_bytes) + int(embedding.n_elements) * BF16

@@ -64,6 +64,8 @@ class ComponentEstimate:
     residency: str = settings.RESIDENT
     prefetch: int = 0
     scoped_bytes: dict = field(default_factory=dict)
+    # Quantised phase-scoped groups: the stored bytes of the largest tensor, beside the group while it is dequantised.
+    scoped_stored_bytes: dict = field(default_factory=dict)
     companion_unit_bytes: int = 0
     host_table_bytes: int = 0
     scratch_bytes: int = 0  # the staging reader's scratch: the stored bytes of its largest combined tensor (QKV)
@@ -297,6 +299,7 @@ def _component_items(c: ComponentEstimate, spec: PhaseSpec | None, *, kept: bool
                              PhaseItem(c.name, "dequantised block", c.dequantised_unit_bytes, during=during)]
         else:
             items += [PhaseItem(c.name, "phase weights", c.scoped_bytes.get(part, 0), during=during),
+                      PhaseItem(c.name, "phase staging", c.scoped_stored_bytes.get(part, 0), during=during),
                       PhaseItem(c.name, "activations", extra.get(part, activations if "blocks" not in parts else 0),
                                 during=during)]
     return items

@@ -98,6 +98,14 @@ def _weight_groups(ckpt, target, unit_of, scoped) -> tuple[dict, int, int]:
 
     g = _grouped(ckpt, moved, unit_of, scoped)
     full = _grouped(ckpt, dequantised, unit_of, scoped)
+    # A quantised phase-scoped group is dequantised a tensor at a time: the largest one's stored bytes (a GGUF token
+    # embedding's 0.41 GiB at the released widths) sit beside the group's dequantised weights while it is decoded.
+    g["scoped_stored"] = {}
+    for spec in ckpt.specs:
+        part = next((p for p, prefixes in scoped.items() if spec.name.startswith(prefixes)), None)
+        stored = ckpt.quantised_bytes(spec) if part is not None and unit_of(spec.name) is None else None
+        if stored:
+            g["scoped_stored"][part] = max(g["scoped_stored"].get(part, 0), stored)
     quantised_units = {unit_of(spec.name) for spec in ckpt.specs if ckpt.quantised_bytes(spec)} - {None}
     return g, max((full["units"][u] for u in quantised_units), default=0), full["total"] - g["total"]
 
@@ -186,7 +194,7 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
         tables = (c.num_layers * calls * (2 + int(keyframes) + int(reference_audio)) * adaln_spec.shapes[0][0]
                   * _dtype_bytes(targets[adaln_spec.name]))
     estimate = ComponentEstimate("transformer", g["total"], max(blocks.values(), default=0), g["fixed"],
-                                 full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"],
+                                 full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"], scoped_stored_bytes=g["scoped_stored"],
                                  companion_unit_bytes=max(adaln.values(), default=0), host_table_bytes=tables,
                                  scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
                                  dequantised_unit_bytes=dequantised_unit, dequantised_extra_bytes=dequantised_extra)
@@ -215,7 +223,7 @@ def _text_encoder_estimate(source, layer: int, dtype=None) -> ComponentEstimate:
     hidden = ckpt.config.language.hidden_size
     activations = TEXT_ROWS_ESTIMATE * 4 * (8 * hidden + 2 * ckpt.config.language.intermediate_size)
     return ComponentEstimate("text_encoder", g["total"], max(g["units"].values(), default=0), g["fixed"],
-                             activations, streamable=True, scoped_bytes=g["scoped"], scratch_bytes=g["scratch"],
+                             activations, streamable=True, scoped_bytes=g["scoped"], scoped_stored_bytes=g["scoped_stored"], scratch_bytes=g["scratch"],
                              unit_sizes=g["sizes"], dequantised_unit_bytes=dequantised_unit,
                              dequantised_extra_bytes=dequantised_extra)
 
@@ -255,7 +263,7 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             activations += max(m.weight.numel() for m in decoder.modules()
                                if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))) * 4
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
-                                     streamable=bool(g["units"]), scoped_bytes=g["scoped"],
+                                     streamable=bool(g["units"]), scoped_bytes=g["scoped"], scoped_stored_bytes=g["scoped_stored"],
                                      scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
                                      dequantised_unit_bytes=dequantised_unit,
                                      dequantised_extra_bytes=dequantised_extra))
