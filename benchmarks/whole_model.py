@@ -185,8 +185,9 @@ def run_task(args) -> dict:
     request = dict(width=width, height=height, num_frames=args.frames, keyframes=keyframes, steps=args.steps)
     messages: list[str] = []
     options = plan_components(sources, device="cpu", memory_budget_gb=args.memory_budget, log=messages.append,
-                              **request)
-    plan = plan_for_budget(sources, device="cpu", budget_bytes=int(args.memory_budget * GiB), **request)
+                              residency=args.residency, **request)
+    plan = plan_for_budget(sources, device="cpu", budget_bytes=int(args.memory_budget * GiB),
+                           residency=None if args.residency == "auto" else args.residency, **request)
     pipeline = H3Pipeline(sources, device="cpu", component_options=options, log=messages.append)
     runs = dict(H3Pipeline.PHASES)
     sampler = PhaseSampler(args.interval_ms / 1000)
@@ -202,7 +203,8 @@ def run_task(args) -> dict:
             phase["wall_s"] = time.perf_counter() - phase["started"]
             phase["disk_read_bytes"] = _disk_read_bytes() - phase["disk_read_at_start"]
             phase["at_end"] = list(pipeline.loaded)
-            phase.update(reads.take())
+            for key, value in reads.take().items():
+                phase[key] = phase.get(key, 0) + value
 
     def enter_phase(phase: str) -> None:
         close_phase()
@@ -224,6 +226,9 @@ def run_task(args) -> dict:
         return value
 
     def release(name: str) -> None:
+        if phases and "wall_s" not in phases[-1]:  # its stores' reads belong to the phase running now
+            for key, value in reads.take().items():
+                phases[-1][key] = phases[-1].get(key, 0) + value
         phase = sampler.phase
         sampler.enter(f"release {name}")
         real_release(name)
@@ -258,7 +263,8 @@ def run_task(args) -> dict:
             "disk_read_bytes": phase["disk_read_bytes"], "streamed_bytes": phase["streamed_bytes"],
             "reader_s": phase["reader_s"], "read_wait_s": phase["read_wait_s"], "load_s": phase["load_s"],
             "wall_s": phase["wall_s"]})
-    return {"task": args.child, "budget_gib": args.memory_budget, "seconds": seconds, "peak_rss": peak_rss,
+    return {"task": args.child, "budget_gib": args.memory_budget, "residency": args.residency, "seconds": seconds,
+            "peak_rss": peak_rss,
             "phases": out, "frames": list(result.frames.shape), "audio": list(result.waveform.shape),
             "finite": bool(torch.isfinite(result.frames).all()) and bool(torch.isfinite(result.waveform).all()),
             "options": {k: {o: str(v) for o, v in opts.items()} for k, opts in options.items()},
@@ -278,7 +284,8 @@ def phase_times(p: dict) -> tuple[float, float]:
 
 def report(result: dict, tolerance: float) -> bool:
     budget = result["budget_gib"] * GiB
-    print(f"\n{result['task']} at --memory-budget {result['budget_gib']:g}: {result['seconds']:.0f} s, frames "
+    print(f"\n{result['task']} at --memory-budget {result['budget_gib']:g} --residency {result['residency']}: "
+          f"{result['seconds']:.0f} s, frames "
           f"{result['frames']}, audio {result['audio']}, finite {result['finite']}; peak RSS (VmHWM) "
           f"{result['peak_rss'] / GiB:.2f} GiB {'<=' if result['peak_rss'] <= budget else '>'} "
           f"{result['budget_gib']:g} GiB")
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=50)
     parser.add_argument("--layers", type=int, default=TEXT_ENCODER_LAYER, help="text-encoder layers written")
     parser.add_argument("--vision-layers", type=int, default=27)
+    parser.add_argument("--residency", default="auto", choices=("auto", "resident", "layerwise"),
+                        help="as the CLI's --residency: auto lets the plan choose for the budget")
     parser.add_argument("--size", default="128x128")
     parser.add_argument("--frames", type=int, default=22)
     parser.add_argument("--steps", type=int, default=2)
@@ -333,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for task in args.tasks:
             command = [sys.executable, __file__, "--child", task, "--files", json.dumps(files),
-                       "--memory-budget", str(args.memory_budget), "--size", args.size, "--frames", str(args.frames),
+                       "--memory-budget", str(args.memory_budget), "--residency", args.residency,
+                       "--size", args.size, "--frames", str(args.frames),
                        "--steps", str(args.steps), "--threads", str(args.threads),
                        "--interval-ms", str(args.interval_ms)]
             done = subprocess.run(command, stdout=subprocess.PIPE, text=True)  # its log goes to our stderr

@@ -142,7 +142,7 @@ class QuantisedWeight:
 
 
 # Values decoded at a time: the decoders' float32 temporaries take about 11 bytes a value, so a whole Qwen3-VL token
-# embedding (778M values) decoded at once held 8.5 GB beside its 1.6 GB result; in pieces they stay near 50 MB.
+# embedding (778M values) decoded at once held 7.9 GiB beside its 1.45 GiB result; in pieces they stay near 48 MiB.
 DECODE_CHUNK_VALUES = 1 << 22
 
 

@@ -66,6 +66,7 @@ class ComponentEstimate:
     scoped_bytes: dict = field(default_factory=dict)
     # Quantised phase-scoped groups: the stored bytes of the largest tensor, beside the group while it is dequantised.
     scoped_stored_bytes: dict = field(default_factory=dict)
+    passes: int = 1  # passes over the streamed units per request (the DiT's model calls, the video decode's tiles)
     companion_unit_bytes: int = 0
     host_table_bytes: int = 0
     scratch_bytes: int = 0  # the staging reader's scratch: the stored bytes of its largest combined tensor (QKV)
@@ -445,6 +446,10 @@ class MemoryPlan:
                 + self.describe())
 
 
+# Where the device is the host, a component used in one pass per request streams from this size on (fit_budget).
+STREAM_SINGLE_PASS_BYTES = 256 << 20
+
+
 def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform: Platform, *,
                dit: ComponentEstimate, rows: int, row_bytes: int, chunk_size: int | None,
                notes: list[str] | None = None, phases: Sequence[PhaseSpec] | None = None, keep: Iterable[str] = (),
@@ -499,6 +504,19 @@ def fit_budget(components: list[ComponentEstimate], budget_bytes: int, platform:
             chosen.residency = settings.LAYERWISE
             if budgeted(estimate()[index]) >= budgeted(phase):  # streaming would not make this phase smaller
                 chosen.residency = settings.RESIDENT
+    if fixed is None and platform.host_is_device:
+        # Where the device is the host (the CPU), a resident component is read and cast whole before its phase
+        # computes, while a streamed one reads its next unit during the current one's compute: for a component
+        # whose units are each used once per request that reads the same bytes in less time and less memory (the
+        # released video VAE's 9.7 GiB load took 7-10 s of a 23 s decode, not overlapped, benchmarks/whole_model.py).
+        # Small components load in a moment either way and stay resident.
+        for c in components:
+            if (c.streamable and c.residency == settings.RESIDENT and c.passes == 1 and c.name not in keep
+                    and c.total_bytes >= STREAM_SINGLE_PASS_BYTES):
+                before = [budgeted(p) for p in estimate()]
+                c.residency = settings.LAYERWISE
+                if any(b > a for a, b in zip(before, (budgeted(p) for p in estimate()))):
+                    c.residency = settings.RESIDENT
     # The DiT's per-chunk temporaries get whatever the rest of its phase leaves.
     fused_temporaries = rows * row_bytes
     dit_phase = next((i for i, spec in enumerate(phases) if spec.component == dit.name), None)

@@ -28,9 +28,10 @@ from ..components import COMPONENTS
 from ..errors import H3Error
 from ..models.audio_vae import AudioVAE
 from ..models.meta_models import meta_model
+from ..models.video_vae import TilingOptions, split_tiles
 from ..models.step_cache import step_cache_activation_bytes
-from ..request.grid import (AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, LatentShape,
-                           video_latent_frames)
+from ..request.grid import (AUDIO_CHANNELS, AUDIO_LATENTS_PER_SECOND, AUDIO_SAMPLE_RATE, SPATIAL_COMPRESSION,
+                           LatentShape, video_latent_frames)
 from ..runtime.chunking import projection_elements_per_row
 from ..runtime.host_store import PinBudget
 from ..runtime.platform import Platform
@@ -197,7 +198,8 @@ def _dit_estimate(source, shape: LatentShape, dtype, *, steps: int = DEFAULT_STE
                                  full_length + fused_temporaries, streamable=True, scoped_bytes=g["scoped"], scoped_stored_bytes=g["scoped_stored"],
                                  companion_unit_bytes=max(adaln.values(), default=0), host_table_bytes=tables,
                                  scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
-                                 dequantised_unit_bytes=dequantised_unit, dequantised_extra_bytes=dequantised_extra)
+                                 dequantised_unit_bytes=dequantised_unit, dequantised_extra_bytes=dequantised_extra,
+                                 passes=max(1, steps - 1))
     return estimate, c, rows
 
 
@@ -246,7 +248,11 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             # One 17-frame clip of pixels on the device, the decoder's tokens for one tile (256 px -> 16x16 latents
             # over 7 latent frames) with their fused QKV and MLP temporaries.
             clip_pixels = 17 * shape.height * shape.width * 3 * 4
-            tile_tokens = 7 * 16 * 16
+            # A tile is at most 256 px (16 latents) a side, over a clip's 7 latent frames (a shorter video is padded
+            # to a clip); a smaller canvas, a smaller tile, but counted as at least half a full one (measured: below
+            # that the decoder's per-tile buffers the formula does not itemise dominate; the released widths at
+            # 128x128 held 0.71 GiB streamed, 1.01 GiB planned with a full tile).
+            tile_tokens = 7 * max(16 * 8, min(16, shape.latent_height) * min(16, shape.latent_width))
             width = c.decoder_num_heads * c.decoder_head_dim
             # Calibrated on the released widths (benchmarks/pipeline_phases.py): about 12 token-wide and 5 MLP-wide
             # float32 rows per token alive at a block's peak (attention q / k / v / output and norms, MLP in / out).
@@ -262,11 +268,18 @@ def _vae_estimates(video_source, audio_source, shape: LatentShape) -> list[Compo
             # (latent_dim x decoder_dim x 7, 56 MiB), held beside that stage's activations.
             activations += max(m.weight.numel() for m in decoder.modules()
                                if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))) * 4
+        if name == "video_vae":  # one decoder pass per tile of every 7-latent-frame clip
+            tiling = TilingOptions()
+            tiles = [len(split_tiles(side, tiling.tile_size, tiling.min_overlap, SPATIAL_COMPRESSION)[0])
+                     for side in (shape.height, shape.width)]
+            passes = -(-shape.latent_frames // 7) * tiles[0] * tiles[1]
+        else:
+            passes = 1
         out.append(ComponentEstimate(name, g["total"], max(g["units"].values(), default=0), g["fixed"], activations,
                                      streamable=bool(g["units"]), scoped_bytes=g["scoped"], scoped_stored_bytes=g["scoped_stored"],
                                      scratch_bytes=g["scratch"], unit_sizes=g["sizes"],
                                      dequantised_unit_bytes=dequantised_unit,
-                                     dequantised_extra_bytes=dequantised_extra))
+                                     dequantised_extra_bytes=dequantised_extra, passes=passes))
     return out
 
 

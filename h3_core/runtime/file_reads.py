@@ -112,8 +112,8 @@ class FileSegment:
 def map_file(path: str | os.PathLike, nbytes: int) -> torch.UntypedStorage:
     """The file's `nbytes` as a lazily paged memory map: a private (copy-on-write) mapping, and where the system
     refuses that, a read-only shared one. A private writable mapping is charged against the commit limit, so Linux
-    (heuristic overcommit) refuses one larger than RAM + swap: a single 35 GB GGUF or a 66 GB ComfyUI repack on a
-    24 GB machine ("Cannot allocate memory"). The read-only mapping is charged nothing; the loaders never write
+    (heuristic overcommit) refuses one larger than RAM + swap: a single 32.9 GiB GGUF or a 61.7 GiB ComfyUI repack
+    with 23.6 GiB of RAM ("Cannot allocate memory"). The read-only mapping is charged nothing; the loaders never write
     into mapped tensors (they are read by `pread`, or copied), so both serve them alike."""
     try:
         return torch.UntypedStorage.from_file(str(path), shared=False, nbytes=nbytes)
@@ -299,7 +299,7 @@ READ_AHEAD_PIECE_BYTES = 8 << 20
 
 
 def read_ahead_files(paths, *, limit_bytes: int | None) -> threading.Thread | None:
-    """Read `paths` once in the background, in 8 MiB pieces into one reused buffer, so that they are in the page cache
+    """Read `paths` in the background, in 8 MiB pieces into one reused buffer, so that they are in the page cache
     when they are loaded, when their total size is at most `limit_bytes` (None: memory unknown, nothing done);
     returns the reading thread, or None. Real reads, not a `posix_fadvise(WILLNEED)` hint: overlay file systems
     drop that hint (measured here: the file was read from disk again). The pages stay the kernel's to evict; a file
@@ -316,13 +316,17 @@ def read_ahead_files(paths, *, limit_bytes: int | None) -> threading.Thread | No
 
     def read_all() -> None:
         buffer = bytearray(READ_AHEAD_PIECE_BYTES)
-        for file in files:
-            try:
-                with open(file, "rb", buffering=0) as handle:
-                    while handle.readinto(buffer):
-                        pass
-            except OSError:
-                continue
+        # Twice: pages read a second time go to the kernel's active list, so a phase streaming tens of GiB of use-once
+        # blocks meanwhile (the transformer) evicts its own pages first (read once, a 4.9 GiB VAE was gone by the end
+        # of sampling). The second pass reads memory.
+        for _ in range(2):
+            for file in files:
+                try:
+                    with open(file, "rb", buffering=0) as handle:
+                        while handle.readinto(buffer):
+                            pass
+                except OSError:
+                    continue
 
     thread = threading.Thread(target=read_all, name="h3-read-ahead", daemon=True)
     thread.start()
