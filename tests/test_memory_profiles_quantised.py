@@ -92,3 +92,22 @@ def test_a_quantised_token_embedding_is_planned_with_its_stored_bytes_beside_it_
     assert items[("phase staging", "embeddings")] == int(embedding.n_bytes)
     assert items[("phase weights", "embeddings")] == int(embedding.n_elements) * BF16
     assert text.part_bytes("embeddings") >= int(embedding.n_bytes) + int(embedding.n_elements) * BF16
+
+
+def test_on_the_cpu_components_used_once_per_request_stream_and_a_many_tile_decode_stays_resident(quantised):
+    """With room for everything, the CPU still streams a large component whose units run once per request: its reads
+    then overlap its compute instead of a whole resident load first (the released video VAE's took 7-10 s of a 23 s
+    decode, benchmarks/whole_model.py). A decode of many tiles (one pass each) keeps its VAE resident; the
+    transformer streams at 2 steps (one model call) and stays resident at 30; a GPU plan is unchanged."""
+    from h3_core.planning.phase_plans import plan_for_budget
+
+    def chosen(device="cpu", **request):
+        plan = plan_for_budget(quantised, device=device, budget_bytes=1 << 40, keyframes=True, **request)
+        return {c.name: c.residency for c in plan.components}
+
+    small = chosen(width=128, height=128, num_frames=22, steps=2)
+    assert small == dict.fromkeys(("text_encoder", "transformer", "video_vae", "audio_vae"), "layerwise")
+    large = chosen(width=1344, height=768, num_frames=124, steps=30)
+    assert large["video_vae"] == large["transformer"] == "resident"  # 30 tiles x 5 clips; 29 model calls
+    assert large["audio_vae"] == large["text_encoder"] == "layerwise"
+    assert set(chosen("cuda", width=128, height=128, num_frames=22, steps=2).values()) == {"resident"}
