@@ -35,16 +35,21 @@ def q4_k_suits(shape: tuple[int, ...]) -> bool:
 def quantize_q4_k(tensor: torch.Tensor) -> torch.Tensor:
     """The Q4_K blocks of `tensor` (any float dtype, last dimension a multiple of 256): uint8, shape
     `(*tensor.shape[:-1], tensor.shape[-1] // 256 * 144)`, one row of blocks per row, as GGUF stores it."""
+    return _quantise_rows(tensor, "Q4_K", Q4_K_BYTES, _q4_k_blocks)
+
+
+def _quantise_rows(tensor: torch.Tensor, name: str, block_bytes: int, blocks) -> torch.Tensor:
+    """`blocks(x)` (float32 super-blocks (n, 256) -> their bytes (n, block_bytes)) over `tensor`'s rows, a few
+    thousand super-blocks at a time, as GGUF stores them: one row of blocks per row."""
     if not q4_k_suits(tuple(tensor.shape)):
-        raise ValueError(f"Q4_K needs rows of a multiple of {QK_K} values, got shape {tuple(tensor.shape)}")
+        raise ValueError(f"{name} needs rows of a multiple of {QK_K} values, got shape {tuple(tensor.shape)}")
     shape = tuple(tensor.shape)
     flat = tensor.detach().reshape(-1, QK_K)
-    out = torch.empty((flat.shape[0], Q4_K_BYTES), dtype=torch.uint8)
+    out = torch.empty((flat.shape[0], block_bytes), dtype=torch.uint8)
     per_chunk = max(1, _CHUNK // (QK_K // SUB))
     for start in range(0, flat.shape[0], per_chunk):
-        block = flat[start:start + per_chunk].to(device="cpu", dtype=torch.float32)
-        out[start:start + per_chunk] = _q4_k_blocks(block)
-    return out.reshape(*shape[:-1], shape[-1] // QK_K * Q4_K_BYTES)
+        out[start:start + per_chunk] = blocks(flat[start:start + per_chunk].to(device="cpu", dtype=torch.float32))
+    return out.reshape(*shape[:-1], shape[-1] // QK_K * block_bytes)
 
 
 def _sub_block_fits(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,16 +147,7 @@ def quantize_q6_k(tensor: torch.Tensor) -> torch.Tensor:
     stores them. llama.cpp's reference recipe without an importance matrix (`quantize_row_q6_K_ref`): 16 sub-blocks of
     16 with a symmetric 6-bit grid whose step is searched (make_qx_quants, weights x^2), int8 sub-block scales against
     an fp16 super-block `d`."""
-    if not q4_k_suits(tuple(tensor.shape)):
-        raise ValueError(f"Q6_K needs rows of a multiple of {QK_K} values, got shape {tuple(tensor.shape)}")
-    shape = tuple(tensor.shape)
-    flat = tensor.detach().reshape(-1, QK_K)
-    out = torch.empty((flat.shape[0], Q6_K_BYTES), dtype=torch.uint8)
-    per_chunk = max(1, _CHUNK // (QK_K // SUB))
-    for start in range(0, flat.shape[0], per_chunk):
-        out[start:start + per_chunk] = _q6_k_blocks(flat[start:start + per_chunk].to(device="cpu",
-                                                                                      dtype=torch.float32))
-    return out.reshape(*shape[:-1], shape[-1] // QK_K * Q6_K_BYTES)
+    return _quantise_rows(tensor, "Q6_K", Q6_K_BYTES, _q6_k_blocks)
 
 
 def _signed_extreme(values: torch.Tensor) -> torch.Tensor:

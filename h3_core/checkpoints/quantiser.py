@@ -95,6 +95,20 @@ def for_quantising(exc: CheckpointError) -> CheckpointError:
     return exc
 
 
+def unquantised_source(resolve: Callable[[], object], source: Path, what: str):
+    """The checkpoint `resolve()` opens, in the quantiser's words, refused when it is already quantised (`what`: the
+    unquantised file to quantise instead)."""
+    try:
+        ckpt = resolve()
+    except CheckpointError as exc:
+        raise for_quantising(exc) from None
+    if ckpt.quantised:
+        key = next(iter(ckpt.quantised))
+        raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
+                              f"{what} instead.", path=source, key=key)
+    return ckpt
+
+
 def write_error(target: Path, exc: OSError, written: int) -> H3Error:
     """One message for a failed write of `written` bytes."""
     kept = "; the file already there is unchanged" if target.exists() else ""
@@ -144,14 +158,7 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
     `text_encoder_quantiser.quantise_text_encoder`."""
     source, target = Path(source).expanduser(), Path(target).expanduser()
     check_paths(source, target, fmt)
-    try:
-        ckpt = resolve_dit_checkpoint(source)
-    except CheckpointError as exc:
-        raise for_quantising(exc) from None
-    if ckpt.quantised:
-        key = next(iter(ckpt.quantised))
-        raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
-                              "the bf16 release instead.", path=source, key=key)
+    ckpt = unquantised_source(lambda: resolve_dit_checkpoint(source), source, "the bf16 release")
     kitchen = kitchen_eager(source, "(output)") if fmt not in GGUF_TYPES else None
     gguf = gguf_package(target) if fmt in GGUF_TYPES else None
     shapes = _expected_tensors(ckpt.config)

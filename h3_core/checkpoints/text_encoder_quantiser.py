@@ -36,8 +36,8 @@ from ..staged_files import remove_dead_staging, staging_path
 from . import text_encoder_gguf as published
 from .checkpoint import read_json
 from .quantised import gguf_package, kitchen_eager
-from .quantiser import (GGUF_TYPES, GGUFTensor, check_paths, checked_for_quantising, for_quantising, gguf_suits,
-                        sync_file, sync_folder, write_error, write_gguf, write_safetensors)
+from .quantiser import (GGUF_TYPES, GGUFTensor, check_paths, checked_for_quantising, gguf_suits, sync_file,
+                        sync_folder, unquantised_source, write_error, write_gguf, write_safetensors)
 from .text_encoder_loader import PROCESSOR_FILES, resolve_text_encoder_checkpoint
 
 H3_LAYER = 50  # H3 reads hidden_states[50]
@@ -95,14 +95,8 @@ def quantise_text_encoder(source: str | os.PathLike, target: str | os.PathLike, 
     check_paths(source, target, fmt)
     if not isinstance(layer, int) or isinstance(layer, bool) or layer < 1:
         raise H3Error(f"layer={layer!r}: must be a positive integer (H3 reads hidden_states[{H3_LAYER}]).")
-    try:
-        ckpt = resolve_text_encoder_checkpoint(source, layer, config)
-    except CheckpointError as exc:
-        raise for_quantising(exc) from None
-    if ckpt.quantised:
-        key = next(iter(ckpt.quantised))
-        raise CheckpointError(f"{source}: is already quantised ('{key}' is {ckpt.quantised[key].format}); quantise "
-                              "the bf16 text encoder instead.", path=source, key=key)
+    ckpt = unquantised_source(lambda: resolve_text_encoder_checkpoint(source, layer, config), source,
+                              "the bf16 text encoder")
     gguf = gguf_package(target) if fmt in GGUF_TYPES else None
     kitchen = kitchen_eager(source, "(output)") if gguf is None else None
     specs = {spec.name: spec for spec in ckpt.specs}
