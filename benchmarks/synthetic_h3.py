@@ -25,6 +25,10 @@ values), a few scaled copies of it and two pieces, whatever the checkpoint's siz
 scaled copy with no arithmetic, so the speed is the disk's. The QKV / SwiGLU row permutations of the released
 layouts are immaterial for such values: the files have the released names, shapes and dtypes.
 
+`write_dit_gguf` / `write_text_encoder_gguf` write the quantised layouts small machines run (the DiT as one Q8_0
+`.gguf` as `h3_core quantize` writes it; Qwen3-VL as a published llama.cpp `qwen3vl` Q4_K file + Q8_0 mmproj) by
+gguf's own writer, each tensor a window of a pool of valid blocks scaled per tensor (`QuantisedBlocks`).
+
 `values=False` writes the headers only (the data stays a hole of the right length: sparse files, no disk used), for
 checking a released-size plan against the loaders. `plan_*` return `[(name, shape, dtype)]` without writing anything.
 """
