@@ -27,10 +27,10 @@ import json
 import math
 import os
 import tempfile
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -109,6 +109,43 @@ def unquantised_source(resolve: Callable[[], object], source: Path, what: str):
     return ckpt
 
 
+@contextmanager
+def staged_outputs(targets: list[Path]) -> Iterator[list[Path]]:
+    """Hidden staging files beside `targets` (`.NAME.PID.partial`) to write in the `with` body; when it completes,
+    each is synced and renamed over its target, the last target first (an mmproj before the language file it
+    belongs to), and the folder synced. A failure, Ctrl-C or SIGTERM leaves no staging file and the files already at
+    the targets untouched; a write error is one `H3Error` naming the first target."""
+    for path in targets:
+        remove_dead_staging(path)
+    stagings = [staging_path(path) for path in targets]
+    try:
+        yield stagings
+        for staging in stagings:
+            sync_file(staging)
+        for staging, path in reversed(list(zip(stagings, targets))):
+            os.replace(staging, path)
+    except BaseException as exc:
+        written = sum(s.stat().st_size for s in stagings if s.exists())
+        for staging in stagings:
+            staging.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise write_error(targets[0], exc, written) from None
+        raise
+    sync_folder(targets[0].parent)
+
+
+def read_for_quantising(ckpt, spec, dtype: torch.dtype, shape, reader: FileReader, source: Path, quantise: bool,
+                        name: str) -> torch.Tensor:
+    """One parameter of `ckpt` in `dtype`, read into the process's memory (checked as `checked_for_quantising`
+    when it is to be quantised); an error names the source file and `name`, never the output's."""
+    try:
+        tensor = ckpt.recipe(spec, lambda stored: dtype, tuple(shape)).private_value(reader)
+    except OSError as exc:
+        raise CheckpointError(f"{source}: could not read '{name}' ({exc.strerror or exc}); check the disk or copy the "
+                              "checkpoint again.", path=source, key=name) from None
+    return checked_for_quantising(source, name, tensor) if quantise else tensor
+
+
 def write_error(target: Path, exc: OSError, written: int) -> H3Error:
     """One message for a failed write of `written` bytes."""
     kept = "; the file already there is unchanged" if target.exists() else ""
@@ -175,40 +212,22 @@ def quantise_checkpoint(source: str | os.PathLike, target: str | os.PathLike, fm
         dtype = target_dtype(spec.name, stored, None)
         shape = tuple(shapes[spec.name])
         plan.append((spec.name, spec, shape, dtype, _quantised(spec.name, shape, fmt)))
-    remove_dead_staging(target)
-    staging = staging_path(target)
     say = log or (lambda message: None)
-    try:
-        with closing(FileReader()) as reader:
-            def value(spec, dtype, shape, quantise=False):
-                if spec is None:
-                    return inv_freq
-                try:
-                    tensor = ckpt.recipe(spec, lambda stored: dtype, shape).private_value(reader)
-                except OSError as exc:  # not the target's write error below
-                    raise CheckpointError(f"{source}: could not read '{spec.name}' ({exc.strerror or exc}); check "
-                                          "the disk or copy the checkpoint again.", path=source,
-                                          key=spec.name) from None
-                return checked_for_quantising(source, spec.name, tensor) if quantise else tensor
+    with staged_outputs([target]) as (staging,), closing(FileReader()) as reader:
+        def value(spec, dtype, shape, quantise=False):
+            if spec is None:
+                return inv_freq
+            return read_for_quantising(ckpt, spec, dtype, shape, reader, source, quantise, spec.name)
 
-            if fmt in GGUF_TYPES:
-                stored = GGUF_TYPES[fmt]
-                write_gguf(staging, "minimax_h3", [
-                    GGUFTensor(name, shape, stored if quantise else dtype,
-                               lambda spec=spec, dtype=dtype, shape=shape, quantise=quantise:
-                               value(spec, dtype, shape, quantise))
-                    for name, spec, shape, dtype, quantise in plan], gguf, say)
-            else:
-                write_safetensors(staging, plan, value, fmt, kitchen, say)
-        sync_file(staging)
-        os.replace(staging, target)
-    except BaseException as exc:  # a failure, Ctrl-C or SIGTERM: no partial file, the old one untouched
-        written = staging.stat().st_size if staging.exists() else 0
-        staging.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise write_error(target, exc, written) from None
-        raise
-    sync_folder(target.parent)
+        if fmt in GGUF_TYPES:
+            stored = GGUF_TYPES[fmt]
+            write_gguf(staging, "minimax_h3", [
+                GGUFTensor(name, shape, stored if quantise else dtype,
+                           lambda spec=spec, dtype=dtype, shape=shape, quantise=quantise:
+                           value(spec, dtype, shape, quantise))
+                for name, spec, shape, dtype, quantise in plan], gguf, say)
+        else:
+            write_safetensors(staging, plan, value, fmt, kitchen, say)
     return target
 
 

@@ -32,12 +32,11 @@ import torch
 from ..errors import CheckpointError, H3Error
 from ..models.vision_tower import ImageProcessorConfig
 from ..runtime.file_reads import FileReader
-from ..staged_files import remove_dead_staging, staging_path
 from . import text_encoder_gguf as published
 from .checkpoint import read_json
 from .quantised import gguf_package, kitchen_eager
-from .quantiser import (GGUF_TYPES, GGUFTensor, check_paths, checked_for_quantising, gguf_suits, sync_file,
-                        sync_folder, unquantised_source, write_error, write_gguf, write_safetensors)
+from .quantiser import (GGUF_TYPES, GGUFTensor, check_paths, gguf_suits, read_for_quantising, staged_outputs,
+                        unquantised_source, write_gguf, write_safetensors)
 from .text_encoder_loader import PROCESSOR_FILES, resolve_text_encoder_checkpoint
 
 H3_LAYER = 50  # H3 reads hidden_states[50]
@@ -112,47 +111,25 @@ def quantise_text_encoder(source: str | os.PathLike, target: str | os.PathLike, 
         # the loader would pair the new text-only file with it
         raise H3Error(f"{vision}: is beside {target.name} but {source} has no vision tower, so it would be read as "
                       "the new file's vision tower; move it, or name the output otherwise.")
-    for path in targets:
-        remove_dead_staging(path)
-    stagings = [staging_path(path) for path in targets]
 
     def stored_dtype(name: str) -> torch.dtype:
         key = specs[name].keys[0]
         return ckpt.files[key].dtype(key)
 
-    try:
-        with closing(FileReader()) as reader:
-            def value(name: str, dtype: torch.dtype, quantise: bool = False) -> torch.Tensor:
-                spec = specs[name]
-                try:
-                    tensor = ckpt.recipe(spec, lambda stored: dtype, tuple(spec.shapes[0])).private_value(reader)
-                except OSError as exc:  # not the target's write error below
-                    raise CheckpointError(f"{source}: could not read '{spec.keys[0]}' ({exc.strerror or exc}); "
-                                          "check the disk or copy the checkpoint again.", path=source,
-                                          key=spec.keys[0]) from None
-                return checked_for_quantising(source, spec.keys[0], tensor) if quantise else tensor
+    with staged_outputs(targets) as stagings, closing(FileReader()) as reader:
+        def value(name: str, dtype: torch.dtype, quantise: bool = False) -> torch.Tensor:
+            spec = specs[name]
+            return read_for_quantising(ckpt, spec, dtype, spec.shapes[0], reader, source, quantise,
+                                       spec.keys[0])
 
-            if gguf is None:
-                plan = [(s.name, s, tuple(s.shapes[0]), stored_dtype(s.name), _linear_weight(s.name, s.shapes[0]))
-                        for s in ckpt.specs]
-                write_safetensors(stagings[0], plan, lambda spec, dtype, shape, quantise: value(spec.name, dtype,
-                                                                                               quantise),
-                                  fmt, kitchen, say, key_of=comfy_key)
-            else:
-                _write_published(stagings, ckpt, layer, fmt, gguf, value, stored_dtype, say)
-        for staging in stagings:
-            sync_file(staging)
-        # The vision file first: a text file in place always has its own mmproj beside it.
-        for staging, path in reversed(list(zip(stagings, targets))):
-            os.replace(staging, path)
-    except BaseException as exc:  # a failure, Ctrl-C or SIGTERM: no partial file, the old ones untouched
-        written = sum(s.stat().st_size for s in stagings if s.exists())
-        for staging in stagings:
-            staging.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise write_error(target, exc, written) from None
-        raise
-    sync_folder(target.parent)
+        if gguf is None:
+            plan = [(s.name, s, tuple(s.shapes[0]), stored_dtype(s.name), _linear_weight(s.name, s.shapes[0]))
+                    for s in ckpt.specs]
+            write_safetensors(stagings[0], plan, lambda spec, dtype, shape, quantise: value(spec.name, dtype,
+                                                                                           quantise),
+                              fmt, kitchen, say, key_of=comfy_key)
+        else:
+            _write_published(stagings, ckpt, layer, fmt, gguf, value, stored_dtype, say)
     return target
 
 
