@@ -56,7 +56,8 @@ def dequantize(raw: torch.Tensor, qtype: int) -> torch.Tensor:
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
     """The little-endian float16 at byte `at` of each block, as float32, shape (n, 1)."""
-    if at % 2 == 0 and b.shape[-1] % 2 == 0 and b.stride(-1) == 1:  # every block size is even: a column view
+    if at % 2 == 0 and b.stride(-1) == 1 and b.shape[-1] % 2 == 0 and b.stride(0) % 2 == 0 \
+            and b.storage_offset() % 2 == 0:  # every block size is even: a column view
         return b.view(torch.float16)[:, at // 2:at // 2 + 1].to(torch.float32)
     return b[:, at:at + 2].contiguous().view(torch.float16).to(torch.float32)
 
